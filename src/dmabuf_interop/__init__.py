@@ -1,0 +1,1 @@
+"""dmabuf-interop: share CUDA buffers between contexts, processes and GPUs through Linux fds."""

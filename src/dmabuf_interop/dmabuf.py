@@ -1,0 +1,201 @@
+"""`DmaBuf`: one Linux dma-buf file descriptor and the kernel's dma-buf uAPI on it.
+
+A dma-buf is the kernel's shareable buffer object, represented as a file
+descriptor (https://docs.kernel.org/driver-api/dma-buf.html). This module
+works on the fd alone, with no CUDA call:
+
+* :func:`is_dmabuf` tells a dma-buf from any other fd by the link target in
+  ``/proc/self/fd`` (``/dmabuf:<name>``; ``anon_inode:dmabuf`` on old kernels);
+* :meth:`DmaBuf.info` parses ``/proc/self/fdinfo/<fd>`` (``size``,
+  ``exp_name``, ``name``, ``ino``, ``count``);
+* :meth:`DmaBuf.set_name`, :meth:`DmaBuf.export_sync_file` and
+  :meth:`DmaBuf.sync` wrap ``DMA_BUF_SET_NAME``,
+  ``DMA_BUF_IOCTL_EXPORT_SYNC_FILE`` and ``DMA_BUF_IOCTL_SYNC`` from
+  ``include/uapi/linux/dma-buf.h``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError, NotADmaBufError, NotSupportedError
+from .fd import OwnedFd, fd_is_open
+
+__all__ = ["DmaBuf", "DmaBufInfo", "is_dmabuf", "dmabuf_info", "DMA_BUF_NAME_LEN"]
+
+# include/uapi/linux/dma-buf.h: _IOW/_IOWR('b', nr, type) with 8-byte arguments.
+_IOC_WRITE, _IOC_READ = 1, 2
+
+
+def _ioc(direction: int, nr: int, size: int) -> int:
+    return (direction << 30) | (size << 16) | (ord("b") << 8) | nr
+
+
+DMA_BUF_IOCTL_SYNC = _ioc(_IOC_WRITE, 0, 8)  # struct dma_buf_sync { __u64 flags; }
+DMA_BUF_SET_NAME = _ioc(_IOC_WRITE, 1, 8)  # _IOW(DMA_BUF_BASE, 1, const char *)
+DMA_BUF_IOCTL_EXPORT_SYNC_FILE = _ioc(_IOC_WRITE | _IOC_READ, 2, 8)  # { __u32 flags; __s32 fd; }
+DMA_BUF_SYNC_READ, DMA_BUF_SYNC_WRITE = 1, 2
+DMA_BUF_SYNC_START, DMA_BUF_SYNC_END = 0, 4
+#: Kernel limit for a dma-buf name, terminating NUL included.
+DMA_BUF_NAME_LEN = 32
+
+
+@dataclass(frozen=True)
+class DmaBufInfo:
+    """What ``/proc/self/fdinfo/<fd>`` says about a dma-buf.
+
+    Attributes:
+        size: buffer size in bytes.
+        exp_name: the exporter, e.g. ``"nv_dmabuf"`` for the NVIDIA driver.
+        name: the name set with ``DMA_BUF_SET_NAME`` (``""`` when unset).
+        inode: the dma-buf's inode number (same on every fd of one buffer).
+        count: the file's reference count as the kernel reports it.
+    """
+
+    size: int
+    exp_name: str
+    name: str
+    inode: int
+    count: int
+
+
+def _link(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def is_dmabuf(fd: int) -> bool:
+    """True when ``fd`` is an open dma-buf of this process.
+
+    Reads the ``/proc/self/fd/<fd>`` link: a dma-buf reads ``/dmabuf:<name>``
+    (``anon_inode:dmabuf`` on kernels before 5.x). Never raises.
+    """
+    if not isinstance(fd, int) or fd < 0:
+        return False
+    link = _link(fd)
+    return link.startswith("/dmabuf:") or link == "anon_inode:dmabuf"
+
+
+def _describe(fd: int) -> str:
+    if not isinstance(fd, int) or fd < 0:
+        return f"fd {fd!r} is not a valid file descriptor"
+    if not fd_is_open(fd):
+        return f"fd {fd} is not open"
+    link = _link(fd)
+    kind = "a pipe" if link.startswith("pipe:") else \
+        "a memfd" if link.startswith("/memfd:") else \
+        "a socket" if link.startswith("socket:") else \
+        f"{link!r}"
+    return f"fd {fd} is not a dma-buf: it is {kind}"
+
+
+def dmabuf_info(fd: int) -> DmaBufInfo:
+    """Parse ``/proc/self/fdinfo/<fd>`` of a dma-buf.
+
+    Raises:
+        NotADmaBufError: ``fd`` is closed or not a dma-buf.
+    """
+    if not is_dmabuf(fd):
+        raise NotADmaBufError(_describe(fd))
+    fields: dict[str, str] = {}
+    with open(f"/proc/self/fdinfo/{fd}") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return DmaBufInfo(
+        size=int(fields.get("size", "0")),
+        exp_name=fields.get("exp_name", ""),
+        name=fields.get("name", ""),
+        inode=int(fields.get("ino", "0")),
+        count=int(fields.get("count", "0")),
+    )
+
+
+class DmaBuf(OwnedFd):
+    """Owns one dma-buf fd.
+
+    Args:
+        fd: an open dma-buf fd; ownership moves to this object.
+        size: its size in bytes; read from fdinfo when omitted.
+
+    Raises:
+        NotADmaBufError: ``fd`` is closed or is not a dma-buf (checked before
+            anything else touches it).
+    """
+
+    def __init__(self, fd: int, size: int | None = None) -> None:
+        if not is_dmabuf(fd):
+            raise NotADmaBufError(_describe(fd))
+        super().__init__(fd)
+        self._size = dmabuf_info(fd).size if size is None else int(size)
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._size
+
+    def info(self) -> DmaBufInfo:
+        """The kernel's view of the buffer (``/proc/self/fdinfo``)."""
+        return dmabuf_info(self.fd)
+
+    def set_name(self, name: str) -> None:
+        """Name the buffer (``DMA_BUF_SET_NAME``); shows in fdinfo and debugfs.
+
+        Args:
+            name: at most ``DMA_BUF_NAME_LEN - 1`` = 31 bytes of UTF-8 (the
+                kernel's 32 bytes include the terminating NUL).
+
+        Raises:
+            InvalidArgumentError: the name is too long or contains NUL.
+            OSError: the ioctl failed (errno from the kernel).
+        """
+        raw = name.encode()
+        if b"\0" in raw or len(raw) >= DMA_BUF_NAME_LEN:
+            raise InvalidArgumentError(
+                f"dma-buf name must be at most {DMA_BUF_NAME_LEN - 1} bytes without NUL, got {len(raw)}")
+        fcntl.ioctl(self.fd, DMA_BUF_SET_NAME, raw + b"\0")
+
+    def export_sync_file(self, write: bool = False) -> OwnedFd:
+        """``DMA_BUF_IOCTL_EXPORT_SYNC_FILE``: a sync_file fd for the buffer's fences.
+
+        Args:
+            write: ``True`` to wait for all fences (before writing), ``False``
+                for the write fences only (before reading).
+
+        Returns:
+            An :class:`OwnedFd` owning the sync_file.
+
+        Raises:
+            NotSupportedError: the kernel lacks the ioctl (before Linux 6.0).
+            OSError: any other ioctl failure.
+        """
+        flags = DMA_BUF_SYNC_WRITE if write else DMA_BUF_SYNC_READ
+        arg = bytearray(struct.pack("Ii", flags, -1))
+        try:
+            fcntl.ioctl(self.fd, DMA_BUF_IOCTL_EXPORT_SYNC_FILE, arg, True)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTTY, errno.EINVAL):
+                raise NotSupportedError("ioctl(DMA_BUF_IOCTL_EXPORT_SYNC_FILE)", errno.errorcode[exc.errno],
+                                        exc.errno, "kernel older than 6.0?") from exc
+            raise
+        _, sync_fd = struct.unpack("Ii", bytes(arg))
+        return OwnedFd(sync_fd)
+
+    def sync(self, start: bool, read: bool = True, write: bool = True) -> None:
+        """``DMA_BUF_IOCTL_SYNC`` around CPU access to an mmap of the buffer.
+
+        Call with ``start=True`` before and ``start=False`` after the access.
+        """
+        flags = (DMA_BUF_SYNC_START if start else DMA_BUF_SYNC_END)
+        flags |= (DMA_BUF_SYNC_READ if read else 0) | (DMA_BUF_SYNC_WRITE if write else 0)
+        fcntl.ioctl(self.fd, DMA_BUF_IOCTL_SYNC, struct.pack("Q", flags))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self._fd}"
+        return f"<DmaBuf {state} size={self._size}>"

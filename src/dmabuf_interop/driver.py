@@ -1,0 +1,418 @@
+"""The one module that calls the CUDA driver API (through ``cuda.bindings.driver``).
+
+Every other module goes through the thin, checked wrappers here, so that:
+
+* importing :mod:`dmabuf_interop` never loads ``libcuda`` or initialises CUDA
+  (``cuda.bindings.driver`` is imported on first use);
+* every ``CUresult`` is checked and a failure raises :class:`~.errors.CudaError`
+  naming the call and the result (``NOT_SUPPORTED`` raises
+  :class:`~.errors.NotSupportedError`);
+* a machine without ``libcuda.so.1`` gives :class:`~.errors.NoDriverError`, not
+  an ``ImportError`` or ``RuntimeError`` traceback;
+* a process forked after CUDA was initialised gets
+  :class:`~.errors.ForkedAfterInitError` with the advice to use spawn, instead
+  of a bare ``CUDA_ERROR_NOT_INITIALIZED``.
+
+Reference: CUDA Driver API, sections "Error Handling", "Device Management",
+"Memory Management", "Virtual Memory Management" and "External Resource
+Interoperability" (https://docs.nvidia.com/cuda/cuda-driver-api/).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from .errors import CudaError, ForkedAfterInitError, NoDriverError, NotSupportedError
+
+_lock = threading.Lock()
+_drv: Any = None
+_init_pid: int | None = None  # pid that ran cuInit successfully
+_forked_after_init = False
+
+_NOT_SUPPORTED = {"CUDA_ERROR_NOT_SUPPORTED"}
+
+
+def _mark_forked() -> None:
+    global _forked_after_init
+    if _init_pid is not None:
+        _forked_after_init = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+def bindings() -> Any:
+    """Return ``cuda.bindings.driver``, imported on first use."""
+    global _drv
+    if _drv is None:
+        try:
+            from cuda.bindings import driver as drv
+        except ImportError as exc:  # pragma: no cover - dependency is declared
+            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1, str(exc)) from exc
+        _drv = drv
+    return _drv
+
+
+def result_name(err: Any) -> str:
+    """The enum name of a ``CUresult`` (``"CUDA_ERROR_INVALID_VALUE"``)."""
+    name = getattr(err, "name", None)
+    return name if name else f"CUresult({int(err)})"
+
+
+def raise_for(call: str, err: Any, detail: str = "") -> None:
+    """Raise the typed error for a failed ``call`` that returned ``err``."""
+    name = result_name(err)
+    if _forked_after_init and name in ("CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_INVALID_CONTEXT"):
+        raise ForkedAfterInitError(
+            call, name, int(err),
+            "this process was forked after CUDA was initialised in its parent; "
+            "the CUDA driver does not survive fork(): use multiprocessing's 'spawn' "
+            "start method or fork before the first CUDA call",
+        )
+    cls = NotSupportedError if name in _NOT_SUPPORTED else CudaError
+    raise cls(call, name, int(err), detail)
+
+
+def call(fn: Callable[..., Any], *args: Any, detail: str = "") -> Any:
+    """Call a ``cuda.bindings.driver`` function and check its ``CUresult``.
+
+    Returns ``None`` for calls with no outputs, the value for one output, and
+    a tuple for several.
+    """
+    if _forked_after_init:
+        raise ForkedAfterInitError(
+            fn.__name__, "CUDA_ERROR_NOT_INITIALIZED", 3,
+            "this process was forked after CUDA was initialised in its parent; "
+            "the CUDA driver does not survive fork(): use multiprocessing's 'spawn' "
+            "start method or fork before the first CUDA call",
+        )
+    out = fn(*args)
+    err, rest = out[0], out[1:]
+    if int(err) != 0:
+        raise_for(fn.__name__, err, detail)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def init() -> None:
+    """``cuInit(0)`` once per process.
+
+    Raises:
+        NoDriverError: ``libcuda.so.1`` cannot be loaded or no CUDA device exists.
+        ForkedAfterInitError: the parent initialised CUDA before forking us.
+    """
+    global _init_pid
+    if _init_pid == os.getpid():
+        return
+    if _forked_after_init:
+        call(bindings().cuInit, 0)  # raises ForkedAfterInitError
+    with _lock:
+        if _init_pid == os.getpid():
+            return
+        drv = bindings()
+        try:
+            err, = drv.cuInit(0)
+        except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
+            raise NoDriverError("cuInit", "no CUDA driver", -1, str(exc)) from exc
+        name = result_name(err)
+        if name in ("CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY", "CUDA_ERROR_INSUFFICIENT_DRIVER"):
+            raise NoDriverError("cuInit", name, int(err))
+        if int(err) != 0:
+            raise_for("cuInit", err)
+        _init_pid = os.getpid()
+
+
+def is_initialized() -> bool:
+    """True when this process ran ``cuInit`` (without initialising anything)."""
+    return _init_pid == os.getpid()
+
+
+# --- versions and devices -------------------------------------------------------
+
+def driver_version() -> int:
+    """``cuDriverGetVersion``: e.g. 13000 for CUDA 13.0."""
+    init()
+    return int(call(bindings().cuDriverGetVersion))
+
+
+def device_count() -> int:
+    """``cuDeviceGetCount``."""
+    init()
+    return int(call(bindings().cuDeviceGetCount))
+
+
+def device(ordinal: int) -> Any:
+    """``cuDeviceGet``: the ``CUdevice`` for an ordinal; checks the range first.
+
+    Raises:
+        InvalidArgumentError: ordinal outside ``0 .. device_count()-1``.
+    """
+    from .errors import InvalidArgumentError
+
+    n = device_count()
+    if not isinstance(ordinal, int) or not 0 <= ordinal < n:
+        raise InvalidArgumentError(f"device ordinal {ordinal!r} out of range: this machine has {n} CUDA device(s)")
+    return call(bindings().cuDeviceGet, ordinal)
+
+
+def device_name(ordinal: int) -> str:
+    """``cuDeviceGetName``."""
+    raw = call(bindings().cuDeviceGetName, 256, device(ordinal))
+    return bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+
+
+def device_uuid(ordinal: int) -> str:
+    """``cuDeviceGetUuid`` as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+    u = call(bindings().cuDeviceGetUuid, device(ordinal))
+    b = bytes(u.bytes)
+    h = b.hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def device_pci_bus_id(ordinal: int) -> str:
+    """``cuDeviceGetPCIBusId`` (``0000:3b:00.0``)."""
+    raw = call(bindings().cuDeviceGetPCIBusId, 64, device(ordinal))
+    return bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+
+
+def attribute_enum(name: str) -> Any:
+    """``CUdevice_attribute.CU_DEVICE_ATTRIBUTE_<name>``, or ``None`` if these bindings lack it."""
+    return getattr(bindings().CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name, None)
+
+
+def device_attribute(ordinal: int, name: str) -> int:
+    """``cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_<name>)``.
+
+    Raises:
+        NotSupportedError: the bindings or the driver do not know the attribute
+            (a driver older than the bindings answers ``CUDA_ERROR_INVALID_VALUE``).
+    """
+    enum = attribute_enum(name)
+    if enum is None:
+        raise NotSupportedError("cuDeviceGetAttribute", "unknown to cuda.bindings", -1, name)
+    dev = device(ordinal)
+    err, value = bindings().cuDeviceGetAttribute(enum, dev)
+    if int(err) != 0:
+        rn = result_name(err)
+        if rn == "CUDA_ERROR_INVALID_VALUE":
+            raise NotSupportedError("cuDeviceGetAttribute", rn, int(err), f"{name} unknown to this driver")
+        raise_for("cuDeviceGetAttribute", err, name)
+    return int(value)
+
+
+def can_access_peer(ordinal: int, peer: int) -> bool:
+    """``cuDeviceCanAccessPeer``: can ``ordinal`` map memory that lives on ``peer``."""
+    return bool(call(bindings().cuDeviceCanAccessPeer, device(ordinal), device(peer)))
+
+
+def set_current(ordinal: int) -> Any:
+    """Make the primary context of ``ordinal`` current on this thread (via cuda.core).
+
+    Returns the ``cuda.core.Device``. Uses ``Device.set_current()``, which
+    retains the primary context (``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``).
+    """
+    init()
+    device(ordinal)  # range check with a clear error
+    from cuda.core import Device
+
+    dev = Device(ordinal)
+    dev.set_current()
+    return dev
+
+
+def mem_get_info() -> tuple[int, int]:
+    """``cuMemGetInfo`` in the current context: ``(free, total)`` bytes."""
+    free, total = call(bindings().cuMemGetInfo)
+    return int(free), int(total)
+
+
+def synchronize() -> None:
+    """``cuCtxSynchronize`` of the current context."""
+    call(bindings().cuCtxSynchronize)
+
+
+# --- allocations ----------------------------------------------------------------
+
+def mem_alloc_host(size: int) -> int:
+    """``cuMemAllocHost``: pinned host memory, also a valid device pointer (UVA)."""
+    return int(call(bindings().cuMemAllocHost, size))
+
+
+def mem_free_host(ptr: int) -> None:
+    """``cuMemFreeHost``."""
+    call(bindings().cuMemFreeHost, ptr)
+
+
+def mem_alloc(size: int) -> int:
+    """``cuMemAlloc``: device memory of the current context; returns the ``CUdeviceptr``."""
+    return int(call(bindings().cuMemAlloc, size))
+
+
+def mem_free(ptr: int) -> None:
+    """``cuMemFree``."""
+    call(bindings().cuMemFree, ptr)
+
+
+def mem_address_range(ptr: int) -> tuple[int, int]:
+    """``cuMemGetAddressRange``: ``(base, size)`` of the allocation holding ``ptr``."""
+    base, size = call(bindings().cuMemGetAddressRange, ptr)
+    return int(base), int(size)
+
+
+def pointer_device_ordinal(ptr: int) -> int:
+    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)``."""
+    drv = bindings()
+    return int(call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+
+
+def memcpy_dtoh(dst_host_addr: int, src: int, nbytes: int) -> None:
+    """``cuMemcpyDtoH`` (synchronous) into host memory at ``dst_host_addr``."""
+    call(bindings().cuMemcpyDtoH, dst_host_addr, src, nbytes)
+
+
+def memcpy_peer(dst: int, dst_ordinal: int, src: int, src_ordinal: int, nbytes: int) -> None:
+    """``cuMemcpyPeer`` between the primary contexts of two devices (synchronous)."""
+    from cuda.core import Device
+
+    drv = bindings()
+    call(drv.cuMemcpyPeer, dst, Device(dst_ordinal).context.handle, src,
+         Device(src_ordinal).context.handle, nbytes)
+    synchronize()
+
+
+# --- dma-buf export and import --------------------------------------------------
+
+def get_dmabuf_fd(ptr: int, size: int, flags: int = 0) -> int:
+    """``cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)``.
+
+    ``ptr`` and ``size`` must be aligned to the host page size. Returns a new
+    fd that the caller owns.
+    """
+    drv = bindings()
+    fd = call(drv.cuMemGetHandleForAddressRange, ptr, size,
+              drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, flags)
+    return int(fd)
+
+
+def import_external_memory_dmabuf(fd: int, size: int) -> Any:
+    """``cuImportExternalMemory`` with ``CU_EXTERNAL_MEMORY_HANDLE_TYPE_DMABUF_FD``.
+
+    The driver does not take ownership of a DMABUF_FD (only OPAQUE_FD is
+    documented as transferred); the caller keeps ``fd`` open until after
+    :func:`destroy_external_memory`, as the CUDA dmabufInterop sample does.
+    """
+    drv = bindings()
+    desc = drv.CUDA_EXTERNAL_MEMORY_HANDLE_DESC()
+    desc.type = drv.CUexternalMemoryHandleType.CU_EXTERNAL_MEMORY_HANDLE_TYPE_DMABUF_FD
+    desc.handle.fd = fd
+    desc.size = size
+    desc.flags = 0
+    return call(drv.cuImportExternalMemory, desc)
+
+
+def external_memory_mapped_buffer(ext_mem: Any, offset: int, size: int) -> int:
+    """``cuExternalMemoryGetMappedBuffer``: a ``CUdeviceptr`` for ``[offset, offset+size)``."""
+    drv = bindings()
+    desc = drv.CUDA_EXTERNAL_MEMORY_BUFFER_DESC()
+    desc.offset = offset
+    desc.size = size
+    desc.flags = 0
+    return int(call(drv.cuExternalMemoryGetMappedBuffer, ext_mem, desc))
+
+
+def destroy_external_memory(ext_mem: Any) -> None:
+    """``cuDestroyExternalMemory``."""
+    call(bindings().cuDestroyExternalMemory, ext_mem)
+
+
+# --- virtual memory management (POSIX-fd shareable handles) ---------------------
+
+def _posix_fd_type() -> Any:
+    return bindings().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def _vmm_prop(ordinal: int) -> Any:
+    drv = bindings()
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = _posix_fd_type()
+    return prop
+
+
+def vmm_granularity(ordinal: int) -> int:
+    """``cuMemGetAllocationGranularity`` (minimum) for a POSIX-fd-exportable allocation."""
+    drv = bindings()
+    return int(call(drv.cuMemGetAllocationGranularity, _vmm_prop(ordinal),
+                    drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+
+
+def vmm_create(ordinal: int, size: int) -> Any:
+    """``cuMemCreate`` of ``size`` bytes (a multiple of the granularity) on ``ordinal``."""
+    return call(bindings().cuMemCreate, size, _vmm_prop(ordinal), 0)
+
+
+def vmm_release(handle: Any) -> None:
+    """``cuMemRelease``."""
+    call(bindings().cuMemRelease, handle)
+
+
+def vmm_reserve(size: int, alignment: int) -> int:
+    """``cuMemAddressReserve``: a virtual address range of ``size`` bytes."""
+    return int(call(bindings().cuMemAddressReserve, size, alignment, 0, 0))
+
+
+def vmm_address_free(ptr: int, size: int) -> None:
+    """``cuMemAddressFree``."""
+    call(bindings().cuMemAddressFree, ptr, size)
+
+
+def vmm_map(ptr: int, size: int, handle: Any) -> None:
+    """``cuMemMap`` of a whole physical allocation at ``ptr``."""
+    call(bindings().cuMemMap, ptr, size, 0, handle, 0)
+
+
+def vmm_unmap(ptr: int, size: int) -> None:
+    """``cuMemUnmap``."""
+    call(bindings().cuMemUnmap, ptr, size)
+
+
+def vmm_set_access(ptr: int, size: int, ordinals: list[int]) -> None:
+    """``cuMemSetAccess``: read/write access for each device in ``ordinals``."""
+    drv = bindings()
+    descs = []
+    for o in ordinals:
+        d = drv.CUmemAccessDesc()
+        d.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        d.location.id = o
+        d.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        descs.append(d)
+    call(bindings().cuMemSetAccess, ptr, size, descs, len(descs))
+
+
+def vmm_export_posix_fd(handle: Any) -> int:
+    """``cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)``: a new fd."""
+    return int(call(bindings().cuMemExportToShareableHandle, handle, _posix_fd_type(), 0))
+
+
+def vmm_import_posix_fd(fd: int) -> Any:
+    """``cuMemImportFromShareableHandle(fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)``.
+
+    The driver does not take ownership of ``fd``: the caller closes it.
+    """
+    return call(bindings().cuMemImportFromShareableHandle, fd, _posix_fd_type())
+
+
+def vmm_allocation_device(handle: Any) -> int:
+    """``cuMemGetAllocationPropertiesFromHandle``: the device that holds the memory."""
+    prop = call(bindings().cuMemGetAllocationPropertiesFromHandle, handle)
+    return int(prop.location.id)
+
+
+def vmm_retain_handle(ptr: int) -> Any:
+    """``cuMemRetainAllocationHandle``: the physical allocation mapped at ``ptr``."""
+    return call(bindings().cuMemRetainAllocationHandle, ptr)

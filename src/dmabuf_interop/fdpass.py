@@ -1,0 +1,362 @@
+"""Passing file descriptors between processes over AF_UNIX sockets (``SCM_RIGHTS``).
+
+Built on the stdlib's :func:`socket.send_fds` / :func:`socket.recv_fds`
+(``sendmsg``/``recvmsg`` with ``SCM_RIGHTS``, see unix(7) and cmsg(3)).
+
+Wire format of one message (:func:`send_message` / :func:`recv_message`): a
+4-byte big-endian length ``n`` (at most :data:`MAX_MESSAGE`), then ``n`` bytes
+of UTF-8 JSON holding one object. At most one fd rides on the first byte.
+Nothing is ever unpickled from a peer. :func:`send_token` /
+:func:`recv_token` move single bytes ("go", "ack"), as the CUDA sample does.
+
+Every receive takes a ``timeout`` (seconds, ``None`` waits forever) and
+raises :class:`~.errors.TimeoutError` past it, :class:`~.errors.PeerClosedError`
+on EOF and :class:`~.errors.ProtocolError` for a malformed message. Received
+fds are close-on-exec (``MSG_CMSG_CLOEXEC``); when a message is rejected every
+fd that did arrive is closed first, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .errors import FdLimitError, InvalidArgumentError, PeerClosedError, ProtocolError, TimeoutError
+
+__all__ = [
+    "MAX_MESSAGE",
+    "send_fd",
+    "recv_fd",
+    "send_message",
+    "recv_message",
+    "encode_message",
+    "decode_message",
+    "send_token",
+    "recv_token",
+    "ChildExit",
+    "wait_child",
+    "reap_child",
+]
+
+#: Largest JSON body accepted, in bytes.
+MAX_MESSAGE = 64 * 1024
+_HEADER = struct.Struct(">I")
+# Room for a few fds, so that "more than one fd" is seen and closed rather than truncated.
+_MAX_FDS = 8
+
+
+def _check_unix(sock: socket.socket) -> None:
+    if not isinstance(sock, socket.socket):
+        raise InvalidArgumentError(f"expected a socket.socket, got {type(sock).__name__}")
+    if sock.family != socket.AF_UNIX:
+        raise InvalidArgumentError(
+            f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
+
+
+def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
+    if deadline is None:
+        timeout_ms = -1
+    else:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"timed out waiting for {what}")
+        timeout_ms = max(1, int(remaining * 1000))
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while True:
+        try:
+            ready = poller.poll(timeout_ms)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+        break
+    if not ready:
+        raise TimeoutError(f"timed out after waiting for {what}")
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
+    return time.monotonic() + timeout
+
+
+def encode_message(obj: dict[str, Any]) -> bytes:
+    """Frame a JSON object: 4-byte big-endian length, then UTF-8 JSON.
+
+    Raises:
+        InvalidArgumentError: not a dict, not JSON-serialisable, or too large.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidArgumentError(f"a message is a dict, got {type(obj).__name__}")
+    try:
+        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"message is not JSON-serialisable: {exc}") from exc
+    if len(body) > MAX_MESSAGE:
+        raise InvalidArgumentError(f"message body is {len(body)} bytes, more than {MAX_MESSAGE}")
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_message(frame: bytes) -> dict[str, Any]:
+    """Inverse of :func:`encode_message` for one complete frame.
+
+    Raises:
+        ProtocolError: wrong length, bad UTF-8/JSON, or not a JSON object.
+    """
+    if len(frame) < _HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its {_HEADER.size}-byte header")
+    (n,) = _HEADER.unpack_from(frame)
+    if n > MAX_MESSAGE:
+        raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+    if len(frame) != _HEADER.size + n:
+        raise ProtocolError(f"frame announces {n} bytes but carries {len(frame) - _HEADER.size}")
+    try:
+        obj = json.loads(frame[_HEADER.size:].decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"message body is not UTF-8 JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message body is a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None) -> None:
+    """Send one framed JSON message, with ``fd`` attached when given.
+
+    The sender keeps its own fd: the kernel installs a new descriptor for the
+    same open file in the receiver (the caller may close its copy afterwards).
+
+    Raises:
+        InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
+        PeerClosedError: the peer has closed its end (EPIPE / ECONNRESET).
+    """
+    _check_unix(sock)
+    data = encode_message(obj)
+    try:
+        if fd is None:
+            sock.sendall(data)
+        else:
+            if not isinstance(fd, int) or fd < 0:
+                raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+            sent = socket.send_fds(sock, [data], [fd])
+            if sent < len(data):
+                sock.sendall(data[sent:])
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
+    except OSError as exc:
+        if fd is not None and exc.errno == 9:  # EBADF
+            raise InvalidArgumentError(f"fd {fd} is not open: {exc}") from exc
+        raise
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        _wait_readable(sock, deadline, "the rest of a message")
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise PeerClosedError(f"peer closed the socket in the middle of a message ({len(buf)} of {n} bytes)")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: int = 1
+                 ) -> tuple[dict[str, Any], list[int]]:
+    """Receive one framed message and the fds that rode on it.
+
+    Args:
+        sock: a connected AF_UNIX socket.
+        timeout: seconds to wait for the whole message; ``None`` waits forever.
+        max_fds: how many fds the message may carry (more is a ProtocolError).
+
+    Returns:
+        ``(message, fds)``; the caller owns every fd in ``fds`` (close-on-exec).
+
+    Raises:
+        PeerClosedError: EOF before the first byte, or in the middle.
+        TimeoutError: nothing (or not all of it) within ``timeout``.
+        FdLimitError: the kernel dropped fds at the receiver's ``RLIMIT_NOFILE``.
+        ProtocolError: a truncated control message (``MSG_CTRUNC``), more fds
+            than ``max_fds``, or bad framing. Every fd that arrived is closed.
+    """
+    _check_unix(sock)
+    deadline = _deadline(timeout)
+    _wait_readable(sock, deadline, "a message")
+    try:
+        data, fds, flags, _ = socket.recv_fds(sock, _HEADER.size + MAX_MESSAGE, _MAX_FDS,
+                                              socket.MSG_CMSG_CLOEXEC)
+    except ConnectionResetError as exc:
+        raise PeerClosedError(f"peer reset the connection: {exc}") from exc
+    fds = list(fds)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            nopen = len(os.listdir("/proc/self/fd")) - 1
+            if nopen + 1 >= soft:
+                raise FdLimitError(
+                    f"fds were dropped by the kernel (MSG_CTRUNC): this process has {nopen} fds open "
+                    f"and its RLIMIT_NOFILE soft limit is {soft}; {len(fds)} fd(s) arrived and were closed")
+            raise ProtocolError(
+                f"control message truncated (MSG_CTRUNC): more than {_MAX_FDS} fds were sent; "
+                f"{len(fds)} arrived and were closed")
+        if not data:
+            if fds:
+                raise ProtocolError("fds arrived with no message bytes")
+            raise PeerClosedError("peer closed the socket before sending a message")
+        if len(fds) > max_fds:
+            raise ProtocolError(f"message carried {len(fds)} fds, at most {max_fds} expected; all were closed")
+        if len(data) < _HEADER.size:
+            data += _recv_exact(sock, _HEADER.size - len(data), deadline, fds)
+        (n,) = _HEADER.unpack_from(data)
+        if n > MAX_MESSAGE:
+            raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+        want = _HEADER.size + n
+        if len(data) < want:
+            data += _recv_exact(sock, want - len(data), deadline, fds)
+        if len(data) > want:
+            raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
+        return decode_message(data), fds
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def send_fd(sock: socket.socket, fd: int, meta: dict[str, Any] | None = None) -> None:
+    """Send ``fd`` (and an optional JSON object ``meta``) over ``sock``.
+
+    The caller keeps ownership of its ``fd``; see :func:`send_message`.
+    """
+    if not isinstance(fd, int) or fd < 0:
+        raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+    send_message(sock, meta or {}, fd)
+
+
+def recv_fd(sock: socket.socket, timeout: float | None = None) -> int:
+    """Receive exactly one fd sent with :func:`send_fd`; the caller owns it.
+
+    Raises:
+        ProtocolError: the message carried no fd, or more than one (all closed).
+        PeerClosedError, TimeoutError, FdLimitError: see :func:`recv_message`.
+    """
+    _msg, fds = recv_message(sock, timeout, max_fds=1)
+    if len(fds) != 1:
+        raise ProtocolError("message carried no fd")
+    return fds[0]
+
+
+def send_token(sock: socket.socket, token: bytes) -> None:
+    """Send one byte (the sample's "go" and "ack").
+
+    Raises:
+        PeerClosedError: the peer has gone.
+    """
+    if len(token) != 1:
+        raise InvalidArgumentError("a token is exactly one byte")
+    try:
+        sock.sendall(token)
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise PeerClosedError(f"peer closed the socket: {exc}") from exc
+
+
+def recv_token(sock: socket.socket, timeout: float | None = None) -> bytes:
+    """Receive one byte. EOF raises :class:`PeerClosedError` (the "skip" signal)."""
+    deadline = _deadline(timeout)
+    _wait_readable(sock, deadline, "a one-byte token")
+    try:
+        data = sock.recv(1)
+    except ConnectionResetError as exc:
+        raise PeerClosedError(f"peer reset the connection: {exc}") from exc
+    if not data:
+        raise PeerClosedError("peer closed the socket")
+    return data
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """How a child process ended.
+
+    Attributes:
+        pid: the child's pid.
+        exitcode: its exit status, or ``None`` when a signal killed it.
+        signal: the signal number that killed it, or ``None``.
+    """
+
+    pid: int
+    exitcode: int | None
+    signal: int | None
+
+    @property
+    def ok(self) -> bool:
+        """True only for a normal exit with status 0."""
+        return self.exitcode == 0
+
+    def describe(self) -> str:
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            return f"child {self.pid} was killed by {name}"
+        return f"child {self.pid} exited with status {self.exitcode}"
+
+
+def wait_child(pid: int, timeout: float | None = None, *, kill_after: bool = True) -> ChildExit:
+    """``waitpid`` for ``pid``, with a deadline.
+
+    Past ``timeout`` the child is sent SIGKILL (when ``kill_after``) and reaped,
+    so no zombie or orphan is left; the result then reports SIGKILL.
+
+    Raises:
+        TimeoutError: the child outlived ``timeout`` and ``kill_after`` is False.
+        ChildProcessError: ``pid`` is not our child.
+    """
+    deadline = _deadline(timeout)
+    delay = 0.001
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            if os.WIFSIGNALED(status):
+                return ChildExit(pid, None, os.WTERMSIG(status))
+            return ChildExit(pid, os.waitstatus_to_exitcode(status), None)
+        if deadline is not None and time.monotonic() >= deadline:
+            if not kill_after:
+                raise TimeoutError(f"child {pid} still running after {timeout} s")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status = os.waitpid(pid, 0)
+            if os.WIFSIGNALED(status):
+                return ChildExit(pid, None, os.WTERMSIG(status))
+            return ChildExit(pid, os.waitstatus_to_exitcode(status), None)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def reap_child(pid: int, timeout: float | None = None, report: TextIO | None = sys.stderr) -> bool:
+    """Reap ``pid``; True only for exit status 0.
+
+    Otherwise writes what happened (the signal or the status) to ``report``
+    (``None`` to stay silent) and returns False.
+    """
+    result = wait_child(pid, timeout)
+    if not result.ok and report is not None:
+        print(result.describe(), file=report, flush=True)
+    return result.ok
