@@ -268,6 +268,18 @@ def pointer_device_ordinal(ptr: int) -> int:
     return int(call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
 
 
+def pointer_is_host(ptr: int) -> bool:
+    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`` is ``CU_MEMORYTYPE_HOST``."""
+    drv = bindings()
+    kind = call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    return int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+
+
+def memset_d8(ptr: int, value: int, nbytes: int) -> None:
+    """``cuMemsetD8``: set ``nbytes`` bytes at ``ptr`` to ``value``."""
+    call(bindings().cuMemsetD8, ptr, value, nbytes)
+
+
 def memcpy_dtoh(dst_host_addr: int, src: int, nbytes: int) -> None:
     """``cuMemcpyDtoH`` (synchronous) into host memory at ``dst_host_addr``."""
     call(bindings().cuMemcpyDtoH, dst_host_addr, src, nbytes)

@@ -1,6 +1,6 @@
 """Passing file descriptors between processes over AF_UNIX sockets (``SCM_RIGHTS``).
 
-Built on the stdlib's :func:`socket.send_fds` / :func:`socket.recv_fds`
+Built on the stdlib's :func:`socket.send_fds` and ``socket.recvmsg``
 (``sendmsg``/``recvmsg`` with ``SCM_RIGHTS``, see unix(7) and cmsg(3)).
 
 Wire format of one message (:func:`send_message` / :func:`recv_message`): a
@@ -18,6 +18,8 @@ fd that did arrive is closed first, so nothing leaks.
 
 from __future__ import annotations
 
+import array
+import errno
 import json
 import os
 import resource
@@ -122,7 +124,7 @@ def decode_message(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"frame announces {n} bytes but carries {len(frame) - _HEADER.size}")
     try:
         obj = json.loads(frame[_HEADER.size:].decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
         raise ProtocolError(f"message body is not UTF-8 JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"message body is a JSON {type(obj).__name__}, not an object")
@@ -166,6 +168,21 @@ def _close_all(fds: list[int]) -> None:
             pass
 
 
+def _recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """``recvmsg`` with ``MSG_CMSG_CLOEXEC``: (data, fds, msg_flags).
+
+    Not :func:`socket.recv_fds`: CPython's drops its ``flags`` argument
+    (python/cpython#107898), so the fds would arrive inheritable.
+    """
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[:len(cdata) - len(cdata) % fds.itemsize])
+    return data, list(fds), flags
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -200,22 +217,33 @@ def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: 
     deadline = _deadline(timeout)
     _wait_readable(sock, deadline, "a message")
     try:
-        data, fds, flags, _ = socket.recv_fds(sock, _HEADER.size + MAX_MESSAGE, _MAX_FDS,
-                                              socket.MSG_CMSG_CLOEXEC)
+        # On a stream socket read only the header first, so that the next message
+        # (and any fd riding on it) is never swallowed together with this one.
+        first = _HEADER.size if sock.type == socket.SOCK_STREAM else _HEADER.size + MAX_MESSAGE
+        data, fds, flags = _recv_fds(sock, first, _MAX_FDS)
     except ConnectionResetError as exc:
         raise PeerClosedError(f"peer reset the connection: {exc}") from exc
     fds = list(fds)
     try:
         if flags & socket.MSG_CTRUNC:
             soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            nopen = len(os.listdir("/proc/self/fd")) - 1
+            # Close what arrived first: at the limit, listing /proc/self/fd needs a free fd.
+            narrived = len(fds)
+            _close_all(fds)
+            fds.clear()
+            try:
+                nopen = len(os.listdir("/proc/self/fd")) - 1 + narrived  # as at the truncation
+            except OSError as exc:
+                if exc.errno != errno.EMFILE:
+                    raise
+                nopen = soft  # not one fd free: every fd below the limit is open
             if nopen + 1 >= soft:
                 raise FdLimitError(
                     f"fds were dropped by the kernel (MSG_CTRUNC): this process has {nopen} fds open "
-                    f"and its RLIMIT_NOFILE soft limit is {soft}; {len(fds)} fd(s) arrived and were closed")
+                    f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
             raise ProtocolError(
                 f"control message truncated (MSG_CTRUNC): more than {_MAX_FDS} fds were sent; "
-                f"{len(fds)} arrived and were closed")
+                f"{narrived} arrived and were closed")
         if not data:
             if fds:
                 raise ProtocolError("fds arrived with no message bytes")

@@ -1,0 +1,117 @@
+"""The ``dmabuf-interop`` command line.
+
+``dmabuf-interop [run] [options]`` runs the three demos (the default);
+``dmabuf-interop info`` reports what works on this machine and why not;
+``dmabuf-interop bench`` measures the mechanisms against what users use today.
+
+Exit status: 0 passed or skipped for a missing capability, 1 failed,
+2 usage error (always one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .buffers import MECHANISM_NAMES
+
+__all__ = ["main", "build_parser"]
+
+PROG = "dmabuf-interop"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {PROG} --help)\n")
+        raise SystemExit(2)
+
+
+def _size(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number of bytes") from None
+    if value <= 0 or value % 4:
+        raise argparse.ArgumentTypeError(f"invalid size {value}: must be a positive multiple of 4 bytes")
+    return value
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: expected seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: must be a positive number of seconds")
+    return value
+
+
+def _device(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid device {text!r}: expected a CUDA ordinal") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid device {value}: ordinals start at 0")
+    return value
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mechanism", choices=MECHANISM_NAMES, default="dmabuf",
+                   help="how memory is shared (default: dmabuf, the CUDA sample's path)")
+    p.add_argument("--memory", choices=("host", "device"), default="host",
+                   help="dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc")
+    p.add_argument("--device", type=_device, default=0, help="CUDA ordinal for demos 1 and 2 (default 0)")
+    p.add_argument("--size", type=_size, default=16384, help="bytes to share, a multiple of 4 (default 16384)")
+    p.add_argument("--timeout", type=_timeout, default=60.0,
+                   help="seconds any wait on a peer process may take (default 60)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Share CUDA buffers between contexts, processes and GPUs "
+                                            "through Linux file descriptors (dma-buf, POSIX fd, memfd).")
+    _add_run_options(parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    run = sub.add_parser("run", help="run the three demos (the default)")
+    _add_run_options(run)
+    info = sub.add_parser("info", help="tell whether dma-buf sharing works on this machine, and why not")
+    info.add_argument("--json", action="store_true", help="print one JSON object (keys documented in README)")
+    info.add_argument("--timeout", type=_timeout, default=60.0, help="seconds the probe child may take")
+    bench = sub.add_parser("bench", help="benchmark sharing mechanisms against torch, cuda.core and CuPy IPC")
+    from .bench import add_arguments
+
+    add_arguments(bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dmabuf-interop`` console script."""
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        pass
+    args = build_parser().parse_args(argv)
+    from .errors import DmaBufError
+
+    try:
+        if args.command == "info":
+            from .info import main as info_main
+
+            return info_main(json_output=args.json, timeout=args.timeout)
+        if args.command == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(args)
+        from .demos import DemoOptions, run_demos
+
+        return run_demos(DemoOptions(mechanism=args.mechanism, memory=args.memory, device=args.device,
+                                     size=args.size, timeout=args.timeout))
+    except DmaBufError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,336 @@
+"""The CUDA dmabufInterop sample's three demos, composed from library calls.
+
+1. Same-process round trip: export, write the pattern, import, verify.
+2. Cross-process IPC: a forked child exports and writes, sends the fd over a
+   Unix socket (``SCM_RIGHTS``); the parent imports and verifies.
+3. Cross-GPU across processes: as 2, the child on the producer GPU and the
+   parent on the consumer GPU of :meth:`~.mechanisms.Mechanism.pair`.
+
+Kept from the sample: both children are forked before the parent initialises
+CUDA (the driver does not survive ``fork()`` after ``cuInit``); each child
+blocks on a one-byte "go" before any CUDA work, and the parent closing the
+socket without writing tells it to skip; the producer waits for a one-byte ack
+before freeing its memory; stdout is line-buffered and flushed before each
+fork, so lines come in source order when piped. A child prints "sent fd to
+parent" just before its ``sendmsg``, so its line always precedes the parent's.
+
+Added: every call is checked; every wait has a timeout; children are always
+reaped (killed past the timeout); a missing capability is a skip line with the
+reason, a failure a line naming the call and its ``CUresult``.
+
+Import pre-flight: none. The real import call decides. A ``NOT_SUPPORTED``
+from it is reported as a skip with the driver's answer, which is exactly what
+a probe would have learnt, at the cost of one export the probe would also have
+needed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TextIO
+
+from . import capabilities, driver
+from .errors import DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError
+from .errors import TimeoutError as DmaTimeoutError
+from .fd import OwnedFd
+from .fdpass import recv_message, recv_token, send_message, send_token, wait_child
+from .mechanisms import Mechanism, get_mechanism
+
+__all__ = ["Outcome", "DemoOptions", "run_demos"]
+
+GO, ACK = b"G", b"A"
+#: Fault injection for tests of dying peers: set in the environment of a run.
+FAULT_ENV = "DMABUF_INTEROP_FAULT"
+
+
+class Outcome(Enum):
+    PASSED = "passed"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+
+
+@dataclass
+class DemoOptions:
+    """What ``dmabuf-interop`` runs.
+
+    Attributes:
+        mechanism: ``"dmabuf"``, ``"posix-fd"`` or ``"memfd"``.
+        memory: ``"host"`` or ``"device"`` (dmabuf only).
+        device: CUDA ordinal of the same-process and cross-process demos.
+        size: bytes to share (> 0, a multiple of 4: the pattern is int32).
+        timeout: seconds any wait on a peer may take.
+    """
+
+    mechanism: str = "dmabuf"
+    memory: str = "host"
+    device: int = 0
+    size: int = 16384
+    timeout: float = 60.0
+
+
+class _Printer:
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+
+    def __call__(self, line: str = "") -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+
+# --- child side -------------------------------------------------------------------------
+
+def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, say: _Printer) -> int:
+    """A forked producer. Returns its exit status."""
+    try:
+        recv_token(sock, opts.timeout)
+    except PeerClosedError:
+        return 0  # the parent skipped this demo
+    except DmaTimeoutError:
+        return 1
+    fault = os.environ.get(FAULT_ENV, "")
+    where = ""
+    device = opts.device
+    if demo == 3:
+        pair = mech.pair()
+        if pair is None:
+            send_message(sock, {"status": "skip", "reason": mech.no_pair_reason()})
+            return 0
+        device = pair[0]
+        where = f"on device {device}, "
+    try:
+        exported = mech.export(opts.size, device)
+    except NotSupportedError as exc:
+        say(f"  child:  export not supported: {exc}. Skipping.")
+        send_message(sock, {"status": "skip", "reason": str(exc)})
+        return 0
+    except DmaBufError as exc:
+        say(f"  child:  export failed: {exc}")
+        send_message(sock, {"status": "error", "reason": str(exc)})
+        return 1
+    with exported:
+        say(f"  child:  {where}allocated {opts.size} bytes, exported as {mech.label} fd {exported.fd}")
+        mech.write_pattern(exported)
+        say("  child:  wrote pattern")
+        if fault == "child-sigkill-before-send":
+            os.kill(os.getpid(), 9)
+        if fault == "child-hang-before-send":
+            import time
+
+            time.sleep(3600)
+        say("  child:  sent fd to parent")
+        send_message(sock, {"status": "ok", **exported.describe()}, exported.fd)
+        if fault == "child-exit-before-ack":
+            return 0
+        try:
+            recv_token(sock, opts.timeout)  # ack: the parent is done with the memory
+        except (PeerClosedError, DmaTimeoutError):
+            pass  # parent gone or silent: free the memory anyway
+    return 0
+
+
+def _fork_child(demo: int, mech: Mechanism, opts: DemoOptions, out: TextIO,
+                close_in_child: list[socket.socket]) -> tuple[int, socket.socket]:
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    out.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        status = 1
+        try:
+            parent_end.close()
+            for s in close_in_child:
+                s.close()
+            status = _child(child_end, demo, mech, opts, _Printer(out))
+        except BaseException as exc:  # noqa: BLE001 - a child never returns into the caller
+            try:
+                _Printer(out)(f"  child:  failed: {exc}")
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            try:
+                out.flush()
+            finally:
+                os._exit(status)
+    child_end.close()
+    return pid, parent_end
+
+
+# --- parent side ------------------------------------------------------------------------
+
+def _same_process(mech: Mechanism, opts: DemoOptions, say: _Printer) -> tuple[Outcome, str]:
+    say("Same-process round-trip")
+    try:
+        exported = mech.export(opts.size, opts.device)
+    except NotSupportedError as exc:
+        say(f"  producer: export not supported: {exc}. Skipping.")
+        return Outcome.SKIPPED, str(exc)
+    except DmaBufError as exc:
+        say(f"  producer: export failed: {exc}")
+        return Outcome.FAILED, str(exc)
+    with exported:
+        say(f"  producer: allocated {opts.size} bytes, exported as {mech.label} fd {exported.fd}")
+        mech.write_pattern(exported)
+        say("  producer: wrote pattern")
+        return _consume(mech, exported.fd, exported.describe(), opts.device, "consumer", say)
+
+
+def _consume(mech: Mechanism, fd: int, meta: dict[str, Any], device: int, who: str,
+             say: _Printer) -> tuple[Outcome, str]:
+    try:
+        imported = mech.import_(fd, meta, device)
+    except NotSupportedError as exc:
+        say(f"  {who}: import not supported: {exc}. Skipping.")
+        return Outcome.SKIPPED, str(exc)
+    except DmaBufError as exc:
+        say(f"  {who}: import failed: {exc}")
+        return Outcome.FAILED, str(exc)
+    with imported:
+        say(f"  {who}: {mech.import_line}")
+        try:
+            n = mech.count_mismatches(imported)
+        except DmaBufError as exc:
+            say(f"  {who}: verify failed: {exc}")
+            return Outcome.FAILED, str(exc)
+    if n:
+        say(f"  {who}: verified Error ({n} mismatches)")
+        return Outcome.FAILED, f"{n} mismatches"
+    say(f"  {who}: verified (0 mismatches)")
+    return Outcome.PASSED, ""
+
+
+def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOptions, device: int,
+                   where: str, say: _Printer) -> tuple[Outcome, str]:
+    try:
+        send_token(sock, GO)
+        msg, fds = recv_message(sock, opts.timeout, max_fds=1)
+    except PeerClosedError:
+        sock.close()
+        ended = wait_child(pid, opts.timeout)
+        say(f"  parent: child closed the socket before sending the fd ({ended.describe()})")
+        return Outcome.FAILED, ended.describe()
+    except DmaTimeoutError:
+        sock.close()
+        ended = wait_child(pid, 0)
+        say(f"  parent: timed out after {opts.timeout:g} s waiting for the child's fd ({ended.describe()})")
+        return Outcome.FAILED, "timeout"
+    except DmaBufError as exc:
+        sock.close()
+        wait_child(pid, opts.timeout)
+        say(f"  parent: bad message from child: {exc}")
+        return Outcome.FAILED, str(exc)
+    status = msg.get("status")
+    if status != "ok" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        ended = wait_child(pid, opts.timeout)
+        if status == "skip":
+            if msg.get("reason") == mech.no_pair_reason():
+                say(f"  {mech.no_pair_reason()}")
+            return Outcome.SKIPPED, str(msg.get("reason", ""))
+        return Outcome.FAILED, str(msg.get("reason", ended.describe()))
+    with OwnedFd(fds[0]) as received:
+        say(f"  parent: {where}received {mech.label} fd {received.fd} from child")
+        outcome, reason = _consume(mech, received.fd, msg, device, "parent", say)
+    try:
+        send_token(sock, ACK)
+    except PeerClosedError:
+        pass
+    sock.close()
+    ended = wait_child(pid, opts.timeout)
+    if not ended.ok:
+        say(f"  parent: {ended.describe()}")
+        return Outcome.FAILED, ended.describe()
+    return outcome, reason
+
+
+def _hint(mech: Mechanism, device: int) -> str:
+    """Name a mechanism the probes say works on this machine."""
+    try:
+        probes = capabilities.probe_device(device)
+    except DmaBufError:
+        return "Hint: --mechanism memfd runs the demos over host shared memory"
+    if mech.name == "dmabuf" and getattr(mech, "memory", "") == "host" and \
+            probes["device_dmabuf_export"].status == "ok" and probes["dmabuf_import"].status == "ok":
+        return "Hint: dma-buf from device memory works here: --mechanism dmabuf --memory device"
+    if probes["posix_fd_export"].status == "ok" and probes["posix_fd_import"].status == "ok":
+        return (f"Hint: CUDA POSIX-fd handles work on device {device}: --mechanism posix-fd")
+    return "Hint: --mechanism memfd runs the demos over host shared memory"
+
+
+def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
+    """Run the three demos; returns the exit status (0 passed or skipped, 1 failed, 2 usage).
+
+    Raises nothing for expected conditions: a missing driver or capability is
+    printed as a skip, a failure as a line naming the call and its result.
+    """
+    out = out if out is not None else sys.stdout
+    say = _Printer(out)
+    mech = get_mechanism(opts.mechanism, opts.memory)
+    if opts.size <= 0 or opts.size % 4:
+        raise InvalidArgumentError(f"--size must be a positive multiple of 4 bytes, got {opts.size}")
+
+    # Fork both producers before this process touches CUDA.
+    pid1, sock1 = _fork_child(2, mech, opts, out, [])
+    pid2, sock2 = _fork_child(3, mech, opts, out, [sock1])
+    children = {pid1: sock1, pid2: sock2}
+
+    def finish(status: int) -> int:
+        for pid, sock in children.items():
+            sock.close()  # EOF: a child still waiting for "go" skips
+            wait_child(pid, opts.timeout)
+        children.clear()
+        return status
+
+    try:
+        if mech.uses_cuda:
+            try:
+                driver.init()
+                count = driver.device_count()
+            except NoDriverError as exc:
+                say(f"No CUDA driver on this machine ({exc}).")
+                say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
+                return finish(0)
+            if not 0 <= opts.device < count:
+                print(f"dmabuf-interop: error: --device {opts.device} out of range: "
+                      f"this machine has {count} CUDA device(s)", file=sys.stderr)
+                return finish(2)
+            major = capabilities.attribute(opts.device, "COMPUTE_CAPABILITY_MAJOR")
+            minor = capabilities.attribute(opts.device, "COMPUTE_CAPABILITY_MINOR")
+            say(f"Device {opts.device}: {driver.device_name(opts.device)} (Compute Capability {major}.{minor})")
+            skip = mech.gate(opts.device)
+            if skip:
+                say(skip)
+                say(_hint(mech, opts.device))
+                return finish(0)
+        else:
+            say("Host shared memory (memfd_create + mmap, no GPU)")
+        say()
+
+        results = [_same_process(mech, opts, say)]
+        say()
+        say("Cross-process IPC (fork + SCM_RIGHTS)")
+        results.append(_cross_process(pid1, children.pop(pid1), mech, opts, opts.device, "", say))
+        say()
+        say("Cross-GPU sharing across processes")
+        pair = mech.pair() if mech.uses_cuda else None
+        if pair is None:
+            say(f"  {mech.no_pair_reason()}")
+            results.append((Outcome.SKIPPED, mech.no_pair_reason()))
+        else:
+            results.append(_cross_process(pid2, children.pop(pid2), mech, opts, pair[1],
+                                          f"on device {pair[1]}, ", say))
+        say()
+        if any(o is Outcome.FAILED for o, _ in results):
+            return finish(1)
+        say("Done")
+        if mech.uses_cuda and any(o is Outcome.SKIPPED and r != mech.no_pair_reason() for o, r in results):
+            say(_hint(mech, opts.device))
+        return finish(0)
+    except BaseException:
+        finish(1)
+        raise

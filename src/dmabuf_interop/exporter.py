@@ -1,0 +1,221 @@
+"""dma-buf exporters: turn CUDA memory into a dma-buf fd.
+
+All three use ``cuMemGetHandleForAddressRange(...,
+CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`` (CUDA Driver API, "Memory
+Management"), which requires the base address and the size to be aligned to
+the host page size (``os.sysconf("SC_PAGE_SIZE")``, 4096 bytes on x86-64):
+
+* :func:`export_host` - the CUDA sample's producer: pinned host memory from
+  ``cuMemAllocHost``, over-allocated by one page so the base can be rounded up
+  to a page. Needs ``CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED``.
+* :func:`export_device` - the same with device memory from ``cuMemAlloc``.
+  Needs ``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED``.
+* :func:`export_range` - part of an allocation someone else made (a torch or
+  CuPy tensor, a ``cuMemCreate`` mapping): the enclosing page-aligned range,
+  with the caller's offset inside it.
+
+Ordering: the exporters do not write. A caller that wrote the memory with a
+kernel must synchronise that stream (or the device) before sending the fd;
+the demos call ``cuCtxSynchronize`` first, as the sample calls
+``cudaDeviceSynchronize``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import driver
+from .buffers import ExportedBuffer
+from .dmabuf import DmaBuf
+from .errors import AlignmentError, CudaError, InvalidArgumentError, NotSupportedError
+
+__all__ = ["page_size", "export_host", "export_device", "export_range", "pointer_and_size"]
+
+
+def page_size() -> int:
+    """The host page size in bytes (the alignment ``cuMemGetHandleForAddressRange`` needs)."""
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def _check_size(size: int) -> int:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidArgumentError(f"size must be an int number of bytes, got {type(size).__name__}")
+    if size <= 0:
+        raise InvalidArgumentError(f"size must be > 0 bytes, got {size}")
+    return size
+
+
+def _dmabuf_for(ptr: int, size: int, device: int, attribute: str) -> DmaBuf:
+    """Export ``[ptr, ptr+size)``; explain a failure with the capability attribute."""
+    try:
+        fd = driver.get_dmabuf_fd(ptr, size)
+    except CudaError as exc:
+        try:
+            supported = driver.device_attribute(device, attribute)
+        except CudaError:
+            supported = None
+        if supported == 0 or isinstance(exc, NotSupportedError):
+            raise NotSupportedError(
+                exc.call, exc.result, exc.code,
+                f"device {device} reports CU_DEVICE_ATTRIBUTE_{attribute}={supported}",
+            ) from exc
+        raise
+    return DmaBuf(fd, size)
+
+
+def export_host(size: int, device: int = 0) -> ExportedBuffer:
+    """Export pinned host memory as a dma-buf (the CUDA dmabufInterop sample's producer).
+
+    ``cuMemAllocHost(round_up(size, page) + page)``, base rounded up to a page,
+    then ``cuMemGetHandleForAddressRange(DMA_BUF_FD)`` over
+    ``round_up(size, page)`` bytes. The host pointer is also the device
+    pointer (unified addressing).
+
+    Args:
+        size: bytes the caller needs (> 0).
+        device: CUDA ordinal whose primary context is made current.
+
+    Returns:
+        ExportedBuffer(mechanism="dmabuf", memory="host", offset=0); it owns the
+        allocation and the :class:`~.dmabuf.DmaBuf`.
+
+    Raises:
+        NotSupportedError: the device cannot export host allocations
+            (``CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED`` = 0; the call
+            answers ``CUDA_ERROR_INVALID_VALUE`` on discrete GPUs with driver 580).
+        CudaError: any other driver failure. InvalidArgumentError: size <= 0.
+    """
+    _check_size(size)
+    driver.set_current(device)
+    page = page_size()
+    export_size = _round_up(size, page)
+    raw = driver.mem_alloc_host(export_size + page)
+    buf = None
+    try:
+        base = _round_up(raw, page)
+        dmabuf = _dmabuf_for(base, export_size, device, "HOST_ALLOC_DMA_BUF_SUPPORTED")
+        buf = ExportedBuffer(mechanism="dmabuf", memory="host", handle=dmabuf, ptr=base, size=size,
+                             offset=0, export_size=export_size, device=device,
+                             device_uuid=driver.device_uuid(device))
+    except BaseException:
+        if buf is None:
+            driver.mem_free_host(raw)
+        raise
+    buf._push(lambda: driver.mem_free_host(raw))
+    buf._push(dmabuf.close)
+    return buf
+
+
+def export_device(size: int, device: int = 0) -> ExportedBuffer:
+    """Export device memory from ``cuMemAlloc`` as a dma-buf.
+
+    Same layout as :func:`export_host` (one page of headroom, page-aligned base).
+
+    Raises:
+        NotSupportedError: ``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`` = 0 or the
+            driver answered ``CUDA_ERROR_NOT_SUPPORTED``.
+        CudaError, InvalidArgumentError: as :func:`export_host`.
+    """
+    _check_size(size)
+    driver.set_current(device)
+    page = page_size()
+    export_size = _round_up(size, page)
+    raw = driver.mem_alloc(export_size + page)
+    buf = None
+    try:
+        base = _round_up(raw, page)
+        dmabuf = _dmabuf_for(base, export_size, device, "DMA_BUF_SUPPORTED")
+        buf = ExportedBuffer(mechanism="dmabuf", memory="device", handle=dmabuf, ptr=base, size=size,
+                             offset=0, export_size=export_size, device=device,
+                             device_uuid=driver.device_uuid(device))
+    except BaseException:
+        if buf is None:
+            driver.mem_free(raw)
+        raise
+    buf._push(lambda: driver.mem_free(raw))
+    buf._push(dmabuf.close)
+    return buf
+
+
+def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
+    """``(ptr, nbytes, keepalive)`` of an int pointer, or of an object with DLPack or
+    ``__cuda_array_interface__`` (through cuda.core's ``StridedMemoryView``).
+
+    Raises:
+        InvalidArgumentError: a non-contiguous view, or an int pointer with no size.
+    """
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        if size is None:
+            raise InvalidArgumentError("export_range(ptr, size): size in bytes is required with an int pointer")
+        return obj, _check_size(size), None
+    from cuda.core.utils import StridedMemoryView
+
+    view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)
+    itemsize = view.dtype.itemsize if view.dtype is not None else 1
+    nbytes = itemsize
+    for s in view.shape:
+        nbytes *= s
+    if view.strides is not None:  # None means C-contiguous; otherwise element strides
+        expected, want = 1, []
+        for dim in reversed(view.shape):
+            want.append(expected)
+            expected *= dim
+        if any(d > 1 and s != w for d, s, w in zip(view.shape, view.strides, reversed(want))):
+            raise InvalidArgumentError("export_range needs a C-contiguous view; call .contiguous() first")
+    if size is not None:
+        nbytes = _check_size(size)
+    return int(view.ptr), _check_size(nbytes), (obj, view)
+
+
+def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
+    """Export the page-aligned range that encloses a caller's bytes as a dma-buf.
+
+    A tensor from a caching allocator rarely starts on a page. The exported
+    range is ``[round_down(ptr, page), round_up(ptr + size, page))``; the
+    returned :attr:`~.ExportedBuffer.offset` is ``ptr - round_down(ptr, page)``,
+    so an importer that maps at that offset reads exactly the caller's bytes.
+    The range must stay inside the allocation that holds ``ptr``
+    (``cuMemGetAddressRange``). The buffer keeps ``obj`` alive but does not
+    own or free the memory.
+
+    Args:
+        obj: an int ``CUdeviceptr`` (then ``size`` is required), or an object
+            exposing DLPack or ``__cuda_array_interface__`` (torch, CuPy, cuda.core).
+        size: bytes to share; default: the whole view.
+
+    Raises:
+        AlignmentError: the enclosing page-aligned range leaves the allocation;
+            the message states the page size and the misalignment.
+        NotSupportedError: the device cannot export this memory as a dma-buf.
+        CudaError: ``cuMemGetAddressRange`` or the export failed.
+    """
+    ptr, nbytes, keep = pointer_and_size(obj, size)
+    driver.init()
+    device = driver.pointer_device_ordinal(ptr)
+    driver.set_current(device)
+    base, alloc_size = driver.mem_address_range(ptr)
+    if ptr + nbytes > base + alloc_size:
+        raise InvalidArgumentError(
+            f"[0x{ptr:x}, +{nbytes}) runs past its allocation [0x{base:x}, +{alloc_size})")
+    page = page_size()
+    start = ptr // page * page
+    end = _round_up(ptr + nbytes, page)
+    if start < base or end > base + alloc_size:
+        raise AlignmentError(
+            f"cuMemGetHandleForAddressRange needs a {page}-byte page-aligned range; the pages enclosing "
+            f"[0x{ptr:x}, +{nbytes}) are [0x{start:x}, 0x{end:x}), which leave the allocation "
+            f"[0x{base:x}, 0x{base + alloc_size:x}) (base misaligned by {ptr % page} bytes, "
+            f"end by {(ptr + nbytes) % page} bytes)")
+    attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if driver.pointer_is_host(ptr) else "DMA_BUF_SUPPORTED"
+    dmabuf = _dmabuf_for(start, end - start, device, attribute)
+    buf = ExportedBuffer(mechanism="dmabuf", memory="range", handle=dmabuf, ptr=ptr, size=nbytes,
+                         offset=ptr - start, export_size=end - start, device=device,
+                         device_uuid=driver.device_uuid(device))
+    buf._keepalive = keep  # type: ignore[attr-defined]
+    buf._push(dmabuf.close)
+    return buf

@@ -1,0 +1,137 @@
+"""The pattern kernels: a writer (``p[i] = base + i``) and a verifier (mismatch count).
+
+Compiled from CUDA C++ with NVRTC through cuda.core's ``Program`` to a cubin
+for the device's architecture, once per process and device, and cached on disk
+with cuda.core's ``FileStreamProgramCache`` (keyed by source, options,
+architecture and NVRTC version) under ``$XDG_CACHE_HOME/dmabuf-interop/nvrtc``
+(``~/.cache/...`` by default; ``DMABUF_INTEROP_CACHE_DIR`` overrides), so a
+second run does not compile again. Launches go through ``cuda.core.launch``.
+
+Both kernels take a ``CUdeviceptr`` to 32-bit integers and an element count;
+the buffer must be at least ``4 * n`` bytes and 4-byte aligned.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from . import driver
+from .errors import InvalidArgumentError
+
+__all__ = ["SOURCE", "PATTERN_BASE", "cache_dir", "write_pattern", "count_mismatches"]
+
+#: The sample's pattern: element ``i`` holds ``0x1000 + i``.
+PATTERN_BASE = 0x1000
+
+SOURCE = r"""
+extern "C" __global__ void write_pattern(int* p, unsigned long long n, int base) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        p[i] = base + (int)i;
+    }
+}
+
+extern "C" __global__ void verify_pattern(const int* p, unsigned long long n, int base,
+                                          unsigned long long* mismatches) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        if (p[i] != base + (int)i) atomicAdd(mismatches, 1ULL);
+    }
+}
+"""
+
+_lock = threading.Lock()
+_loaded: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def cache_dir() -> Path:
+    """Where compiled cubins are kept between runs."""
+    override = os.environ.get("DMABUF_INTEROP_CACHE_DIR")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dmabuf-interop" / "nvrtc"
+
+
+def _kernels(device: int) -> tuple[Any, Any]:
+    key = (os.getpid(), device)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        from cuda.core import Program, ProgramOptions
+
+        dev = driver.set_current(device)
+        options = ProgramOptions(arch=f"sm_{dev.arch}", name="dmabuf_interop_pattern")
+        program = Program(SOURCE, code_type="c++", options=options)
+        try:
+            from cuda.core.utils import FileStreamProgramCache
+
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            cache = FileStreamProgramCache(cache_dir())
+        except OSError:  # unwritable home: compile every time
+            cache = None
+        code = program.compile("cubin", cache=cache) if cache is not None else program.compile("cubin")
+        pair = (code.get_kernel("write_pattern"), code.get_kernel("verify_pattern"))
+        _loaded[key] = pair
+        return pair
+
+
+def _launch(device: int, kernel: Any, n: int, *args: Any, stream: Any = None) -> Any:
+    from cuda.core import LaunchConfig, launch
+
+    dev = driver.set_current(device)
+    s = stream if stream is not None else dev.default_stream
+    block = 256
+    grid = max(1, min((n + block - 1) // block, 65535))
+    launch(s, LaunchConfig(grid=grid, block=block), kernel, *args)
+    return s
+
+
+def _count(nbytes: int) -> int:
+    if nbytes <= 0 or nbytes % 4:
+        raise InvalidArgumentError(f"pattern buffers hold int32: size must be a positive multiple of 4, got {nbytes}")
+    return nbytes // 4
+
+
+def write_pattern(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BASE, stream: Any = None,
+                  sync: bool = True) -> None:
+    """Launch ``write_pattern`` over ``nbytes // 4`` int32 at ``ptr`` on ``device``.
+
+    Args:
+        stream: a ``cuda.core.Stream``; default the device's default stream.
+        sync: synchronise the stream before returning (so an fd may be sent
+            right away); with ``sync=False`` the caller must order later work.
+    """
+    import numpy as np
+
+    n = _count(nbytes)
+    writer, _ = _kernels(device)
+    s = _launch(device, writer, n, np.uint64(ptr), np.uint64(n), np.int32(base), stream=stream)
+    if sync:
+        s.sync()
+
+
+def count_mismatches(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BASE, stream: Any = None) -> int:
+    """Launch ``verify_pattern`` and return how many int32 differ from ``base + i``.
+
+    Synchronous: waits for the kernel and copies the counter back.
+    """
+    import numpy as np
+
+    n = _count(nbytes)
+    _, verifier = _kernels(device)
+    driver.set_current(device)
+    counter = driver.mem_alloc(8)
+    try:
+        driver.memset_d8(counter, 0, 8)
+        s = _launch(device, verifier, n, np.uint64(ptr), np.uint64(n), np.int32(base), np.uint64(counter),
+                    stream=stream)
+        s.sync()
+        host = np.zeros(1, dtype=np.uint64)
+        driver.memcpy_dtoh(host.ctypes.data, counter, 8)
+    finally:
+        driver.mem_free(counter)
+    return int(host[0])

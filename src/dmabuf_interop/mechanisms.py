@@ -1,0 +1,182 @@
+"""Switch sharing mechanism by name: ``dmabuf``, ``posix-fd`` or ``memfd``.
+
+Each :class:`Mechanism` composes the library's exporter, importer and pattern
+calls behind one interface, so the demos, the benchmark and user code can run
+the same steps over any of them:
+
+=========  ===================================================  ==================================
+name       exporter                                             importer
+=========  ===================================================  ==================================
+dmabuf     :func:`~.exporter.export_host` / ``export_device``   :func:`~.importer.import_dmabuf`
+posix-fd   :func:`~.vmm.export_posix_fd`                        :func:`~.vmm.import_posix_fd`
+memfd      :func:`~.memfd.export_memfd`                         :func:`~.memfd.import_memfd`
+=========  ===================================================  ==================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import capabilities, driver
+from .buffers import MECHANISM_NAMES, ExportedBuffer, ImportedBuffer
+from .errors import InvalidArgumentError
+
+__all__ = ["Mechanism", "DmaBufMechanism", "PosixFdMechanism", "MemfdMechanism", "get_mechanism"]
+
+
+class Mechanism:
+    """One way to share memory through an fd.
+
+    Attributes:
+        name: the ``--mechanism`` name.
+        label: how output names its fds (``"dma-buf"``, ``"POSIX fd"``...).
+        uses_cuda: whether the CUDA driver is needed.
+        gate_attribute: the device attribute that must be 1 (``None``: no gate).
+        pair_attributes: ``(producer, consumer)`` attributes for a cross-GPU pair.
+    """
+
+    name = ""
+    label = ""
+    uses_cuda = True
+    gate_attribute: str | None = None
+    pair_attributes: tuple[str, str] | None = None
+    need_peer_access = False
+
+    @property
+    def import_line(self) -> str:
+        """What the importer prints once the memory is mapped."""
+        return f"imported {self.label} as device pointer"
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        raise NotImplementedError
+
+    def import_(self, fd: int, meta: dict[str, Any], device: int) -> ImportedBuffer:
+        raise NotImplementedError
+
+    def write_pattern(self, exported: ExportedBuffer) -> None:
+        """Write ``0x1000 + i`` and finish before returning (safe to send the fd)."""
+        from .kernels import write_pattern
+
+        write_pattern(exported.ptr, exported.size, exported.device)
+        driver.synchronize()
+
+    def count_mismatches(self, imported: ImportedBuffer) -> int:
+        from .kernels import count_mismatches
+
+        return count_mismatches(imported.ptr, imported.size, imported.device)
+
+    def gate(self, device: int) -> str | None:
+        """``None`` when ``device`` may run the demos, else the skip line."""
+        if self.gate_attribute is None:
+            return None
+        if capabilities.attribute(device, self.gate_attribute) != 1:
+            return f"Device {device} does not report CU_DEVICE_ATTRIBUTE_{self.gate_attribute}. Skipping sample."
+        return None
+
+    def pair(self) -> tuple[int, int] | None:
+        """The cross-GPU ``(producer, consumer)`` pair, deterministic across processes."""
+        if self.pair_attributes is None:
+            return None
+        producer, consumer = self.pair_attributes
+        return capabilities.find_cross_gpu_pair(producer, consumer, need_peer_access=self.need_peer_access)
+
+    def no_pair_reason(self) -> str:
+        return "no GPU pair satisfies the capability attributes. Skipping."
+
+
+class DmaBufMechanism(Mechanism):
+    """dma-buf: the CUDA sample's path. ``memory`` is ``"host"`` (``cuMemAllocHost``) or ``"device"``."""
+
+    name = "dmabuf"
+    label = "dma-buf"
+
+    def __init__(self, memory: str = "host") -> None:
+        if memory not in ("host", "device"):
+            raise InvalidArgumentError(f"memory must be 'host' or 'device', got {memory!r}")
+        self.memory = memory
+        self.gate_attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if memory == "host" else "DMA_BUF_SUPPORTED"
+        self.pair_attributes = (self.gate_attribute, "DMA_BUF_SUPPORTED")
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        from .exporter import export_device, export_host
+
+        return (export_host if self.memory == "host" else export_device)(size, device)
+
+    def import_(self, fd: int, meta: dict[str, Any], device: int) -> ImportedBuffer:
+        from .importer import import_dmabuf
+
+        return import_dmabuf(fd, int(meta["size"]), device, int(meta.get("offset", 0)))
+
+    def no_pair_reason(self) -> str:
+        return "no GPU pair satisfies the dma-buf capability attributes. Skipping."
+
+
+class PosixFdMechanism(Mechanism):
+    """CUDA VMM allocations shared as POSIX-fd shareable handles."""
+
+    name = "posix-fd"
+    label = "POSIX fd"
+    gate_attribute = "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+    pair_attributes = ("HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+    need_peer_access = True
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        from .vmm import export_posix_fd
+
+        return export_posix_fd(size, device)
+
+    def import_(self, fd: int, meta: dict[str, Any], device: int) -> ImportedBuffer:
+        from .vmm import import_posix_fd
+
+        return import_posix_fd(fd, int(meta["size"]), device, int(meta.get("offset", 0)),
+                               meta.get("export_size"))
+
+    def no_pair_reason(self) -> str:
+        return "no GPU pair supports POSIX-fd handles with peer access. Skipping."
+
+
+class MemfdMechanism(Mechanism):
+    """Host shared memory (``memfd_create`` + ``mmap``), NumPy write and verify; no GPU."""
+
+    name = "memfd"
+    label = "host shared memory (memfd)"
+    uses_cuda = False
+    import_line = "mapped host shared memory (memfd) into this process"  # type: ignore[assignment]
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        from .memfd import export_memfd
+
+        return export_memfd(size)
+
+    def import_(self, fd: int, meta: dict[str, Any], device: int) -> ImportedBuffer:
+        from .memfd import import_memfd
+
+        return import_memfd(fd, int(meta["size"]), int(meta.get("offset", 0)))
+
+    def write_pattern(self, exported: ExportedBuffer) -> None:
+        from .memfd import write_pattern_host
+
+        write_pattern_host(exported)
+
+    def count_mismatches(self, imported: ImportedBuffer) -> int:
+        from .memfd import count_mismatches_host
+
+        return count_mismatches_host(imported)
+
+    def no_pair_reason(self) -> str:
+        return "host shared memory involves no GPU. Skipping."
+
+
+def get_mechanism(name: str, memory: str = "host") -> Mechanism:
+    """The :class:`Mechanism` called ``name`` (one of ``MECHANISM_NAMES``).
+
+    Raises:
+        InvalidArgumentError: an unknown name or memory kind.
+    """
+    if name == "dmabuf":
+        return DmaBufMechanism(memory)
+    if name == "posix-fd":
+        return PosixFdMechanism()
+    if name == "memfd":
+        return MemfdMechanism()
+    raise InvalidArgumentError(f"unknown mechanism {name!r}; choose from {', '.join(MECHANISM_NAMES)}")

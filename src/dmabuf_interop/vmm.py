@@ -1,0 +1,147 @@
+"""CUDA VMM POSIX-fd shareable handles: the mechanism that works where dma-buf import does not.
+
+Exporter (:func:`export_posix_fd`): ``cuMemCreate`` with
+``requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`` of the size
+rounded up to the allocation granularity (``cuMemGetAllocationGranularity``,
+2 MiB on H200), ``cuMemAddressReserve``, ``cuMemMap``, ``cuMemSetAccess``, then
+``cuMemExportToShareableHandle`` for the fd.
+
+Importer (:func:`import_posix_fd`): ``cuMemImportFromShareableHandle``,
+``cuMemAddressReserve``, ``cuMemMap``, ``cuMemSetAccess`` for the importing
+device. When that device is not the one holding the memory, it needs peer
+access (``cuDeviceCanAccessPeer``); the access descriptor grants it.
+
+fd ownership: ``cuMemImportFromShareableHandle`` does not take the fd (CUDA
+Driver API, "Virtual Memory Management"); the imported allocation handle
+keeps the memory alive, so the caller may close its fd right after import.
+
+Reference: CUDA Driver API "Virtual Memory Management" and the CUDA
+Programming Guide, "Virtual Memory Management".
+"""
+
+from __future__ import annotations
+
+from . import driver
+from .buffers import ExportedBuffer, ImportedBuffer
+from .errors import InvalidArgumentError, NotSupportedError
+from .fd import OwnedFd, fd_is_open
+
+__all__ = ["export_posix_fd", "import_posix_fd", "granularity"]
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def granularity(device: int = 0) -> int:
+    """Minimum ``cuMemCreate`` granularity, in bytes, for a POSIX-fd-exportable allocation."""
+    driver.set_current(device)
+    return driver.vmm_granularity(device)
+
+
+def export_posix_fd(size: int, device: int = 0) -> ExportedBuffer:
+    """Allocate VMM device memory and export it as a POSIX-fd shareable handle.
+
+    Args:
+        size: bytes the caller needs (> 0); the allocation is rounded up to the
+            granularity (``export_size``).
+        device: CUDA ordinal that holds the memory.
+
+    Returns:
+        ExportedBuffer(mechanism="posix-fd", memory="vmm", offset=0), mapped and
+        accessible on ``device``; it owns the mapping, the reservation, the
+        physical allocation and the fd.
+
+    Raises:
+        NotSupportedError: the device does not support POSIX-fd handles.
+        CudaError: any driver failure (e.g. ``CUDA_ERROR_OUT_OF_MEMORY``).
+        InvalidArgumentError: size <= 0 or a bad ordinal.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
+    driver.set_current(device)
+    gran = driver.vmm_granularity(device)
+    export_size = _round_up(size, gran)
+    handle = driver.vmm_create(device, export_size)
+    cleanups = []
+    try:
+        cleanups.append(lambda: driver.vmm_release(handle))
+        ptr = driver.vmm_reserve(export_size, gran)
+        cleanups.append(lambda: driver.vmm_address_free(ptr, export_size))
+        driver.vmm_map(ptr, export_size, handle)
+        cleanups.append(lambda: (driver.set_current(device), driver.vmm_unmap(ptr, export_size)))
+        driver.vmm_set_access(ptr, export_size, [device])
+        fd = OwnedFd(driver.vmm_export_posix_fd(handle))
+        cleanups.append(fd.close)
+        uuid = driver.device_uuid(device)
+    except BaseException:
+        for fn in reversed(cleanups):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+        raise
+    buf = ExportedBuffer(mechanism="posix-fd", memory="vmm", handle=fd, ptr=ptr, size=size, offset=0,
+                         export_size=export_size, device=device, device_uuid=uuid)
+    for fn in cleanups:
+        buf._push(fn)
+    return buf
+
+
+def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int = 0,
+                    export_size: int | None = None) -> ImportedBuffer:
+    """Import a POSIX-fd shareable handle and map it on ``device``.
+
+    Args:
+        fd: the received fd (or its :class:`~.fd.OwnedFd`); not consumed.
+        size: the caller's bytes (> 0).
+        device: CUDA ordinal of the importing device.
+        offset: where the caller's bytes start in the allocation.
+        export_size: the exporter's allocation size; default
+            ``round_up(offset + size, granularity)``.
+
+    Returns:
+        ImportedBuffer(mechanism="posix-fd") with ``ptr`` = mapping base + offset.
+
+    Raises:
+        InvalidArgumentError: a closed fd, size <= 0, offset < 0, a bad ordinal.
+        NotSupportedError: the importing device cannot reach the memory's device
+            (no peer access), or the driver refuses the handle type.
+        CudaError: any other driver failure (e.g. the fd is not a CUDA handle:
+            ``CUDA_ERROR_INVALID_VALUE``).
+    """
+    raw = fd.fd if isinstance(fd, OwnedFd) else fd
+    if not fd_is_open(raw):
+        raise InvalidArgumentError(f"fd {raw!r} is not an open file descriptor")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidArgumentError(f"offset must be >= 0 bytes, got {offset!r}")
+    driver.set_current(device)
+    handle = driver.vmm_import_posix_fd(raw)
+    cleanups = [lambda: driver.vmm_release(handle)]
+    try:
+        owner = driver.vmm_allocation_device(handle)
+        if owner != device and not driver.can_access_peer(device, owner):
+            raise NotSupportedError("cuDeviceCanAccessPeer", "0", -1,
+                                    f"device {device} cannot access memory on device {owner}")
+        gran = driver.vmm_granularity(owner)
+        map_size = export_size if export_size is not None else _round_up(offset + size, gran)
+        if offset + size > map_size:
+            raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {map_size} bytes")
+        ptr = driver.vmm_reserve(map_size, gran)
+        cleanups.append(lambda: driver.vmm_address_free(ptr, map_size))
+        driver.vmm_map(ptr, map_size, handle)
+        cleanups.append(lambda: (driver.set_current(device), driver.vmm_unmap(ptr, map_size)))
+        driver.vmm_set_access(ptr, map_size, [device])
+    except BaseException:
+        for fn in reversed(cleanups):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                pass
+        raise
+    buf = ImportedBuffer(mechanism="posix-fd", ptr=ptr + offset, size=size, device=device)
+    for fn in cleanups:
+        buf._push(fn)
+    return buf
