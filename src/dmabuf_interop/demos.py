@@ -112,7 +112,7 @@ def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, s
         send_message(sock, {"status": "error", "reason": str(exc)})
         return 1
     with exported:
-        say(f"  child:  {where}allocated {opts.size} bytes, exported as {mech.label} fd {exported.fd}")
+        say(f"  child:  {where}allocated {opts.size} bytes, exported as {mech.fd_label} {exported.fd}")
         mech.write_pattern(exported)
         say("  child:  wrote pattern")
         if fault == "child-sigkill-before-send":
@@ -172,7 +172,7 @@ def _same_process(mech: Mechanism, opts: DemoOptions, say: _Printer) -> tuple[Ou
         say(f"  producer: export failed: {exc}")
         return Outcome.FAILED, str(exc)
     with exported:
-        say(f"  producer: allocated {opts.size} bytes, exported as {mech.label} fd {exported.fd}")
+        say(f"  producer: allocated {opts.size} bytes, exported as {mech.fd_label} {exported.fd}")
         mech.write_pattern(exported)
         say("  producer: wrote pattern")
         return _consume(mech, exported.fd, exported.describe(), opts.device, "consumer", say)
@@ -234,7 +234,7 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
             return Outcome.SKIPPED, str(msg.get("reason", ""))
         return Outcome.FAILED, str(msg.get("reason", ended.describe()))
     with OwnedFd(fds[0]) as received:
-        say(f"  parent: {where}received {mech.label} fd {received.fd} from child")
+        say(f"  parent: {where}received {mech.fd_label} {received.fd} from child")
         outcome, reason = _consume(mech, received.fd, msg, device, "parent", say)
     try:
         send_token(sock, ACK)

@@ -29,7 +29,8 @@ class Mechanism:
 
     Attributes:
         name: the ``--mechanism`` name.
-        label: how output names its fds (``"dma-buf"``, ``"POSIX fd"``...).
+        label: what is shared (``"dma-buf"``, ``"POSIX-fd handle"``...).
+        fd_label: how output names its fds (``"dma-buf fd"``, ``"POSIX fd"``...).
         uses_cuda: whether the CUDA driver is needed.
         gate_attribute: the device attribute that must be 1 (``None``: no gate).
         pair_attributes: ``(producer, consumer)`` attributes for a cross-GPU pair.
@@ -37,6 +38,7 @@ class Mechanism:
 
     name = ""
     label = ""
+    fd_label = ""
     uses_cuda = True
     gate_attribute: str | None = None
     pair_attributes: tuple[str, str] | None = None
@@ -89,6 +91,7 @@ class DmaBufMechanism(Mechanism):
 
     name = "dmabuf"
     label = "dma-buf"
+    fd_label = "dma-buf fd"
 
     def __init__(self, memory: str = "host") -> None:
         if memory not in ("host", "device"):
@@ -115,7 +118,8 @@ class PosixFdMechanism(Mechanism):
     """CUDA VMM allocations shared as POSIX-fd shareable handles."""
 
     name = "posix-fd"
-    label = "POSIX fd"
+    label = "POSIX-fd handle"
+    fd_label = "POSIX fd"
     gate_attribute = "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
     pair_attributes = ("HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
     need_peer_access = True
@@ -140,6 +144,7 @@ class MemfdMechanism(Mechanism):
 
     name = "memfd"
     label = "host shared memory (memfd)"
+    fd_label = "host shared memory (memfd) fd"
     uses_cuda = False
     import_line = "mapped host shared memory (memfd) into this process"  # type: ignore[assignment]
 
