@@ -120,13 +120,11 @@ def test_import_rejects_oversize_before_the_driver():
             import_dmabuf(exp.fd, 4096, 99)
 
 
-def test_posix_fd_round_trip_same_process_and_dlpack():
+def test_posix_fd_round_trip_same_process_no_leak():
     from dmabuf_interop.kernels import write_pattern
     from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
 
     _warm_up()
-    pytest.importorskip("torch").zeros(1, device="cuda:0")
-    pytest.importorskip("cupy").zeros(1)
     before_fds = open_fds()
     driver.set_current(0)
     free_before, _ = driver.mem_get_info()
@@ -136,19 +134,29 @@ def test_posix_fd_round_trip_same_process_and_dlpack():
         with import_posix_fd(exp.fd, exp.size, 0, 0, exp.export_size) as imp:
             assert imp.ptr != exp.ptr
             assert _pattern_ok(imp.ptr, imp.size, 0) == 0
-            view = imp.as_array("int32", (4096,))
-            torch = pytest.importorskip("torch")
-            t = torch.from_dlpack(view)
-            assert t.device.type == "cuda" and t.dtype == torch.int32
-            assert np.array_equal(t.cpu().numpy(), PATTERN)
-            cupy = pytest.importorskip("cupy")
-            c = cupy.from_dlpack(imp.as_array("int32", (64, 64)))
-            assert c.shape == (64, 64) and int(c[1, 0]) == 0x1000 + 64
-            del t, c, view
     driver.set_current(0)
     free_after, _ = driver.mem_get_info()
     assert open_fds() == before_fds
     assert abs(free_after - free_before) <= 4 << 20  # the 2 MiB allocation came back
+
+
+def test_imported_buffer_reaches_torch_and_cupy_through_dlpack():
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    from dmabuf_interop.kernels import write_pattern
+    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+
+    with export_posix_fd(16384, 0) as exp:
+        write_pattern(exp.ptr, exp.size, 0)
+        with import_posix_fd(exp.fd, exp.size, 0, 0, exp.export_size) as imp:
+            t = torch.from_dlpack(imp.as_array("int32", (4096,)))
+            assert t.device.type == "cuda" and t.dtype == torch.int32
+            assert np.array_equal(t.cpu().numpy(), PATTERN)
+            c = cupy.from_dlpack(imp.as_array("int32", (64, 64)))
+            assert c.shape == (64, 64) and int(c[1, 0]) == 0x1000 + 64
+            with pytest.raises(InvalidArgumentError):
+                imp.as_array("int32", (4097,))
+            del t, c
 
 
 def test_vmm_allocation_also_exports_as_dmabuf():
