@@ -261,3 +261,17 @@ def test_cuda_error_names_call_and_result():
     with pytest.raises(CudaError) as err:
         driver.mem_free(0xdead0000)
     assert err.value.call == "cuMemFree" and err.value.result.startswith("CUDA_ERROR_")
+
+
+def test_export_shareable_records_why_it_fell_back():
+    from dmabuf_interop.mechanisms import export_shareable, import_shared
+
+    with export_shareable(16384, 0) as exp:
+        probes = capabilities.probe_device(0)
+        if probes["dmabuf_import"].status == "ok":
+            assert exp.mechanism == "dmabuf" and exp.fallback is None
+        else:
+            assert exp.mechanism == "posix-fd"
+            assert exp.fallback.startswith("dmabuf: ") and probes["dmabuf_import"].result in exp.fallback
+        with import_shared(exp.fd, exp.describe(), 0) as imp:
+            assert imp.mechanism == exp.mechanism and imp.size == 16384

@@ -132,6 +132,28 @@ class ExportedBuffer(Owner):
             "fallback": self.fallback,
         }
 
+    def send(self, sock: Any, stream: Any = None) -> None:
+        """Make the producer's writes complete, then send the fd and :meth:`describe` to a peer.
+
+        Synchronises first: ``stream.sync()`` when a ``cuda.core.Stream`` is
+        given, else ``cuCtxSynchronize`` on :attr:`device` (nothing for memfd),
+        so the consumer never reads stale bytes. Then
+        :func:`~.fdpass.send_message` with ``SCM_RIGHTS``; this object keeps
+        its fd and memory, so wait for the peer's ack before closing it.
+
+        Raises:
+            PeerClosedError: the peer has gone. CudaError: the synchronisation failed.
+        """
+        from . import driver
+        from .fdpass import send_message
+
+        if stream is not None:
+            stream.sync()
+        elif self.device >= 0:
+            driver.set_current(self.device)
+            driver.synchronize()
+        send_message(sock, self.describe(), self.fd)
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.handle._fd}"
         return (f"<ExportedBuffer {self.mechanism}/{self.memory} {state} size={self.size} "

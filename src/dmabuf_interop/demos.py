@@ -122,7 +122,7 @@ def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, s
 
             time.sleep(3600)
         say("  child:  sent fd to parent")
-        send_message(sock, {"status": "ok", **exported.describe()}, exported.fd)
+        exported.send(sock)  # synchronises the device, then SCM_RIGHTS + metadata
         if fault == "child-exit-before-ack":
             return 0
         try:
@@ -222,7 +222,7 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
         wait_child(pid, opts.timeout)
         say(f"  parent: bad message from child: {exc}")
         return Outcome.FAILED, str(exc)
-    status = msg.get("status")
+    status = msg.get("status", "ok")  # an export's describe() carries no status
     if status != "ok" or len(fds) != 1:
         for fd in fds:
             os.close(fd)

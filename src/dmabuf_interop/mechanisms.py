@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capabilities, driver
+from . import capabilities
 from .buffers import MECHANISM_NAMES, ExportedBuffer, ImportedBuffer
 from .errors import InvalidArgumentError
 
-__all__ = ["Mechanism", "DmaBufMechanism", "PosixFdMechanism", "MemfdMechanism", "get_mechanism"]
+__all__ = ["Mechanism", "DmaBufMechanism", "PosixFdMechanism", "MemfdMechanism", "get_mechanism", "export_shareable",
+           "import_shared"]
 
 
 class Mechanism:
@@ -59,8 +60,7 @@ class Mechanism:
         """Write ``0x1000 + i`` and finish before returning (safe to send the fd)."""
         from .kernels import write_pattern
 
-        write_pattern(exported.ptr, exported.size, exported.device)
-        driver.synchronize()
+        write_pattern(exported.ptr, exported.size, exported.device)  # synchronises its stream
 
     def count_mismatches(self, imported: ImportedBuffer) -> int:
         from .kernels import count_mismatches
@@ -185,3 +185,69 @@ def get_mechanism(name: str, memory: str = "host") -> Mechanism:
     if name == "memfd":
         return MemfdMechanism()
     raise InvalidArgumentError(f"unknown mechanism {name!r}; choose from {', '.join(MECHANISM_NAMES)}")
+
+
+_probe_cache: dict[tuple[int, int], dict[str, Any]] = {}
+
+# The probes that must pass for a mechanism to work end to end on one device.
+_NEEDS = {
+    "dmabuf": ("device_dmabuf_export", "dmabuf_import"),
+    "posix-fd": ("posix_fd_export", "posix_fd_import"),
+    "memfd": (),
+}
+
+
+def _why_not(name: str, device: int) -> str | None:
+    import os
+
+    key = (os.getpid(), device)
+    if key not in _probe_cache:
+        _probe_cache[key] = capabilities.probe_device(device)
+    probes = _probe_cache[key]
+    for need in _NEEDS[name]:
+        p = probes[need]
+        if p.status != "ok":
+            return f"{name}: {need.replace('_', ' ')}: {p.call + ' -> ' if p.call else ''}{p.result or p.detail}"
+    return None
+
+
+def export_shareable(size: int, device: int = 0, prefer: tuple[str, ...] = ("dmabuf", "posix-fd")
+                     ) -> ExportedBuffer:
+    """Export ``size`` bytes with the first mechanism in ``prefer`` that works end to end here.
+
+    "Works" is decided by :func:`~.capabilities.probe_device` (a one-page
+    export and import, run once per process and device). The returned
+    buffer's :attr:`~.buffers.ExportedBuffer.fallback` says why each earlier
+    mechanism was passed over, e.g. ``"dmabuf: dmabuf import:
+    cuImportExternalMemory -> CUDA_ERROR_NOT_SUPPORTED"`` on H200 with driver
+    580; ``dmabuf`` exports device memory (``cuMemAlloc``).
+
+    Raises:
+        NotSupportedError: no mechanism in ``prefer`` works; the message lists why.
+        InvalidArgumentError: an unknown mechanism name.
+    """
+    from .errors import NotSupportedError
+
+    reasons: list[str] = []
+    for name in prefer:
+        mech = get_mechanism(name, "device")
+        why = _why_not(name, device) if mech.uses_cuda else None
+        if why is None:
+            exported = mech.export(size, device)
+            exported.fallback = "; ".join(reasons) or None
+            return exported
+        reasons.append(why)
+    raise NotSupportedError("export_shareable", "no usable mechanism", -1, "; ".join(reasons))
+
+
+def import_shared(fd: int, meta: dict[str, Any], device: int = 0) -> ImportedBuffer:
+    """Import what an exporter sent: dispatch on ``meta["mechanism"]`` (its ``describe()``).
+
+    Raises:
+        InvalidArgumentError: the metadata names no known mechanism.
+        NotSupportedError, CudaError: from the mechanism's importer.
+    """
+    name = meta.get("mechanism")
+    if name not in MECHANISM_NAMES:
+        raise InvalidArgumentError(f"metadata names no known mechanism: {name!r}")
+    return get_mechanism(name, "device").import_(fd, meta, device)
