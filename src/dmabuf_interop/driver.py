@@ -263,8 +263,20 @@ def mem_address_range(ptr: int) -> tuple[int, int]:
 
 
 def pointer_device_ordinal(ptr: int) -> int:
-    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)``."""
+    """The device that holds the memory at ``ptr``.
+
+    For CUDA VMM mappings (``cuMemMap``), which belong to no context, the
+    allocation's own location (``cuMemRetainAllocationHandle`` +
+    ``cuMemGetAllocationPropertiesFromHandle``); otherwise
+    ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)``.
+    """
     drv = bindings()
+    err, handle = drv.cuMemRetainAllocationHandle(ptr)
+    if int(err) == 0:
+        try:
+            return vmm_allocation_device(handle)
+        finally:
+            vmm_release(handle)
     return int(call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
 
 
