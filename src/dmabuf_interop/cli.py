@@ -59,14 +59,21 @@ def _device(text: str) -> int:
     return value
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mechanism", choices=MECHANISM_NAMES, default="dmabuf",
+def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The run options. ``defaults=False`` for the ``run`` subcommand: argparse lets a
+    subparser's defaults overwrite values parsed before it, so ``--size 8 run``
+    would silently run with 16384 bytes; the top-level parser supplies the defaults."""
+
+    def d(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--mechanism", choices=MECHANISM_NAMES, default=d("dmabuf"),
                    help="how memory is shared (default: dmabuf, the CUDA sample's path)")
-    p.add_argument("--memory", choices=("host", "device"), default="host",
+    p.add_argument("--memory", choices=("host", "device"), default=d("host"),
                    help="dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc")
-    p.add_argument("--device", type=_device, default=0, help="CUDA ordinal for demos 1 and 2 (default 0)")
-    p.add_argument("--size", type=_size, default=16384, help="bytes to share, a multiple of 4 (default 16384)")
-    p.add_argument("--timeout", type=_timeout, default=60.0,
+    p.add_argument("--device", type=_device, default=d(0), help="CUDA ordinal for demos 1 and 2 (default 0)")
+    p.add_argument("--size", type=_size, default=d(16384), help="bytes to share, a multiple of 4 (default 16384)")
+    p.add_argument("--timeout", type=_timeout, default=d(60.0),
                    help="seconds any wait on a peer process may take (default 60)")
 
 
@@ -76,10 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(parser)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run the three demos (the default)")
-    _add_run_options(run)
+    _add_run_options(run, defaults=False)
     info = sub.add_parser("info", help="tell whether dma-buf sharing works on this machine, and why not")
     info.add_argument("--json", action="store_true", help="print one JSON object (keys documented in README)")
-    info.add_argument("--timeout", type=_timeout, default=60.0, help="seconds the probe child may take")
+    info.add_argument("--timeout", type=_timeout, default=argparse.SUPPRESS,
+                      help="seconds the probe child may take (default 60)")
     bench = sub.add_parser("bench", help="benchmark sharing mechanisms against torch, cuda.core and CuPy IPC")
     from .bench import add_arguments
 

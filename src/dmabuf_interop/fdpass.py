@@ -64,30 +64,31 @@ def _check_unix(sock: socket.socket) -> None:
             f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
 
 
+#: poll(2) takes a C int of milliseconds (about 24.8 days); longer waits are done in slices.
+_MAX_POLL_MS = 2**31 - 1
+
+
 def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
-    if deadline is None:
-        timeout_ms = -1
-    else:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
-        timeout_ms = max(1, int(remaining * 1000))
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
-        try:
-            ready = poller.poll(timeout_ms)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-            continue
-        break
-    if not ready:
-        raise TimeoutError(f"timed out after waiting for {what}")
+        if deadline is None:
+            timeout_ms = -1
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out waiting for {what}")
+            # Compare as floats first: int() of an infinite or huge timeout overflows poll().
+            timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))
+        if poller.poll(timeout_ms):  # PEP 475: EINTR is retried for us
+            return
+        # Empty: a slice of a long wait ended, or rounding woke us early; the deadline decides.
 
 
 def _deadline(timeout: float | None) -> float | None:
     if timeout is None:
         return None
-    if timeout < 0:
+    if not timeout >= 0:  # also refuses NaN, which would never expire
         raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
     return time.monotonic() + timeout
 
