@@ -28,15 +28,17 @@ from . import driver
 from .buffers import ImportedBuffer
 from .dmabuf import DmaBuf, dmabuf_info
 from .errors import InvalidArgumentError
+from .fd import OwnedFd
 
 __all__ = ["import_dmabuf"]
 
 
-def import_dmabuf(fd_or_dmabuf: int | DmaBuf, size: int, device: int = 0, offset: int = 0) -> ImportedBuffer:
+def import_dmabuf(fd_or_dmabuf: int | OwnedFd, size: int, device: int = 0, offset: int = 0) -> ImportedBuffer:
     """Import a dma-buf into ``device``'s primary context and map ``[offset, offset+size)``.
 
     Args:
-        fd_or_dmabuf: a dma-buf fd or :class:`~.dmabuf.DmaBuf`; not consumed.
+        fd_or_dmabuf: a dma-buf fd, its :class:`~.dmabuf.DmaBuf`, or the
+            :class:`~.fd.OwnedFd` it was received in; not consumed.
         size: bytes to map (> 0).
         device: CUDA ordinal of the importing device.
         offset: byte offset of the mapping inside the dma-buf (for an
@@ -54,7 +56,7 @@ def import_dmabuf(fd_or_dmabuf: int | DmaBuf, size: int, device: int = 0, offset
             on driver 580 with H200).
         CudaError: any other driver failure.
     """
-    fd = fd_or_dmabuf.fd if isinstance(fd_or_dmabuf, DmaBuf) else fd_or_dmabuf
+    fd = fd_or_dmabuf.fd if isinstance(fd_or_dmabuf, OwnedFd) else fd_or_dmabuf  # DmaBuf is an OwnedFd
     info = dmabuf_info(fd)  # NotADmaBufError for anything else
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")

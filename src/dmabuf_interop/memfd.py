@@ -84,8 +84,9 @@ def import_memfd(fd: int | OwnedFd, size: int, offset: int = 0) -> ImportedBuffe
     The fd is not consumed: the mapping stays valid after the caller closes it.
 
     Raises:
-        InvalidArgumentError: not an open memfd, size <= 0, offset < 0, or the
-            range exceeds the file's size (``fstat``).
+        InvalidArgumentError: not an open memfd, a memfd not sealed against
+            shrinking (``F_SEAL_SHRINK``), size <= 0, offset < 0, or the range
+            exceeds the file's size (``fstat``).
     """
     raw = fd.fd if isinstance(fd, OwnedFd) else fd
     if not fd_is_open(raw):
@@ -96,6 +97,11 @@ def import_memfd(fd: int | OwnedFd, size: int, offset: int = 0) -> ImportedBuffe
         raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise InvalidArgumentError(f"offset must be >= 0 bytes, got {offset!r}")
+    if not fcntl.fcntl(raw, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+        # Without the seal the sender could ftruncate() the file under our mapping,
+        # and the next read would kill this process with SIGBUS.
+        raise InvalidArgumentError(f"memfd fd {raw} is not sealed with F_SEAL_SHRINK: its sender could shrink "
+                                   f"it under the mapping (SIGBUS); export it with export_memfd")
     file_size = os.fstat(raw).st_size
     if offset + size > file_size:
         raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the memfd's {file_size} bytes")

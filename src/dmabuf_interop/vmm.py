@@ -33,6 +33,35 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _not_a_handle(fd: int) -> str | None:
+    """What ``fd`` is when it can be told in user space that it is no CUDA POSIX-fd handle
+    (a pipe, socket, dma-buf, memfd or file); ``None`` when only the driver can tell.
+
+    The driver's own answer for such fds is an unhelpful ``CUDA_ERROR_UNKNOWN``
+    (H200, driver 580). Its handles are character-device or anonymous-inode
+    files, never FIFOs, sockets or regular files.
+    """
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(fd).st_mode
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if link.startswith("/dmabuf:") or link == "anon_inode:dmabuf":
+        return "a dma-buf (import it with import_dmabuf)"
+    if link.startswith("/memfd:"):
+        return "a memfd (map it with import_memfd)"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISBLK(mode):
+        return f"a file ({link!r})"
+    return None
+
+
 def granularity(device: int = 0) -> int:
     """Minimum ``cuMemCreate`` granularity, in bytes, for a POSIX-fd-exportable allocation."""
     driver.set_current(device)
@@ -104,7 +133,9 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         ImportedBuffer(mechanism="posix-fd") with ``ptr`` = mapping base + offset.
 
     Raises:
-        InvalidArgumentError: a closed fd, size <= 0, offset < 0, a bad ordinal.
+        InvalidArgumentError: a closed fd, an fd that is visibly no CUDA handle
+            (pipe, socket, dma-buf, memfd, file), size <= 0, offset < 0, a bad
+            ordinal, or ``offset + size`` beyond ``export_size``.
         NotSupportedError: the importing device cannot reach the memory's device
             (no peer access), or the driver refuses the handle type.
         CudaError: any other driver failure (e.g. the fd is not a CUDA handle:
@@ -113,10 +144,15 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
     raw = fd.fd if isinstance(fd, OwnedFd) else fd
     if not fd_is_open(raw):
         raise InvalidArgumentError(f"fd {raw!r} is not an open file descriptor")
+    kind = _not_a_handle(raw)
+    if kind is not None:
+        raise InvalidArgumentError(f"fd {raw} is not a CUDA POSIX-fd handle: it is {kind}")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise InvalidArgumentError(f"offset must be >= 0 bytes, got {offset!r}")
+    if export_size is not None and offset + size > export_size:  # known before the driver is asked
+        raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {export_size} bytes")
     driver.set_current(device)
     handle = driver.vmm_import_posix_fd(raw)
     cleanups = [lambda: driver.vmm_release(handle)]
