@@ -138,10 +138,27 @@ def driver_version() -> int:
     return int(call(bindings().cuDriverGetVersion))
 
 
+_cache_pid = -1
+_cache: dict[Any, Any] = {}
+
+
+def _per_process() -> dict[Any, Any]:
+    """Facts that cannot change within a process (device count, handles, UUIDs,
+    granularities), forgotten in a forked child."""
+    global _cache_pid
+    if _cache_pid != os.getpid():
+        _cache.clear()
+        _cache_pid = os.getpid()
+    return _cache
+
+
 def device_count() -> int:
-    """``cuDeviceGetCount``."""
-    init()
-    return int(call(bindings().cuDeviceGetCount))
+    """``cuDeviceGetCount`` (asked once per process)."""
+    cache = _per_process()
+    if "count" not in cache:
+        init()
+        cache["count"] = int(call(bindings().cuDeviceGetCount))
+    return cache["count"]
 
 
 def device(ordinal: int) -> Any:
@@ -152,10 +169,15 @@ def device(ordinal: int) -> Any:
     """
     from .errors import InvalidArgumentError
 
-    n = device_count()
-    if not isinstance(ordinal, int) or not 0 <= ordinal < n:
-        raise InvalidArgumentError(f"device ordinal {ordinal!r} out of range: this machine has {n} CUDA device(s)")
-    return call(bindings().cuDeviceGet, ordinal)
+    cache = _per_process()
+    key = ("device", ordinal)
+    if key not in cache:
+        n = device_count()
+        if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < n:
+            raise InvalidArgumentError(
+                f"device ordinal {ordinal!r} out of range: this machine has {n} CUDA device(s)")
+        cache[key] = call(bindings().cuDeviceGet, ordinal)
+    return cache[key]
 
 
 def device_name(ordinal: int) -> str:
@@ -165,11 +187,13 @@ def device_name(ordinal: int) -> str:
 
 
 def device_uuid(ordinal: int) -> str:
-    """``cuDeviceGetUuid`` as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
-    u = call(bindings().cuDeviceGetUuid, device(ordinal))
-    b = bytes(u.bytes)
-    h = b.hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    """``cuDeviceGetUuid`` as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (asked once per process)."""
+    cache = _per_process()
+    key = ("uuid", ordinal)
+    if key not in cache:
+        h = bytes(call(bindings().cuDeviceGetUuid, device(ordinal)).bytes).hex()
+        cache[key] = f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    return cache[key]
 
 
 def device_pci_bus_id(ordinal: int) -> str:
@@ -211,15 +235,31 @@ def can_access_peer(ordinal: int, peer: int) -> bool:
 def set_current(ordinal: int) -> Any:
     """Make the primary context of ``ordinal`` current on this thread (via cuda.core).
 
-    Returns the ``cuda.core.Device``. Uses ``Device.set_current()``, which
-    retains the primary context (``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``).
-    """
-    init()
-    device(ordinal)  # range check with a clear error
-    from cuda.core import Device
+    Returns the ``cuda.core.Device``. The first call on a thread uses
+    ``Device.set_current()``, which retains the primary context
+    (``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``); later calls only
+    compare ``cuCtxGetCurrent`` with that context and switch with
+    ``cuCtxSetCurrent`` when needed, which costs microseconds, not a retain.
 
-    dev = Device(ordinal)
-    dev.set_current()
+    Raises:
+        InvalidArgumentError: a bad ordinal. NoDriverError, ForkedAfterInitError: see :func:`init`.
+    """
+    cache = _per_process()
+    key = ("ctx", threading.get_ident(), ordinal)
+    known = cache.get(key)
+    if known is None:
+        init()
+        device(ordinal)  # range check with a clear error
+        from cuda.core import Device
+
+        dev = Device(ordinal)
+        dev.set_current()
+        cache[key] = (dev, dev.context.handle)
+        return dev
+    dev, ctx = known
+    drv = bindings()
+    if int(call(drv.cuCtxGetCurrent)) != int(ctx):
+        call(drv.cuCtxSetCurrent, ctx)
     return dev
 
 
@@ -369,10 +409,14 @@ def _vmm_prop(ordinal: int) -> Any:
 
 
 def vmm_granularity(ordinal: int) -> int:
-    """``cuMemGetAllocationGranularity`` (minimum) for a POSIX-fd-exportable allocation."""
-    drv = bindings()
-    return int(call(drv.cuMemGetAllocationGranularity, _vmm_prop(ordinal),
-                    drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+    """``cuMemGetAllocationGranularity`` (minimum) for a POSIX-fd-exportable allocation (asked once)."""
+    cache = _per_process()
+    key = ("granularity", ordinal)
+    if key not in cache:
+        drv = bindings()
+        cache[key] = int(call(drv.cuMemGetAllocationGranularity, _vmm_prop(ordinal),
+                              drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+    return cache[key]
 
 
 def vmm_create(ordinal: int, size: int) -> Any:
