@@ -172,6 +172,38 @@ def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
     return int(view.ptr), _check_size(nbytes), (obj, view)
 
 
+def _vmm_chunks_after(ptr: int, chunk_end: int, end: int) -> tuple[list[int], int] | None:
+    """``(boundaries, extent_end)``: the chunk boundaries crossed by ``[ptr, end)`` in CUDA
+    VMM memory and where the last chunk ends, or ``None`` when ``ptr`` is not VMM memory.
+
+    For memory mapped with ``cuMemMap``, ``cuMemGetAddressRange`` reports only
+    the ``cuMemCreate`` chunk that holds the address, not the reservation
+    (``cuMemRetainAllocationHandle`` succeeds only on such mappings). Walk the
+    chunks mapped after ``chunk_end`` until ``end`` is covered.
+
+    Raises:
+        InvalidArgumentError: a hole (nothing mapped) inside the range.
+    """
+    try:
+        handle = driver.vmm_retain_handle(ptr)
+    except CudaError:
+        return None
+    driver.vmm_release(handle)
+    boundaries = []
+    while chunk_end < end:
+        try:
+            base, size = driver.mem_address_range(chunk_end)
+        except CudaError as exc:
+            raise InvalidArgumentError(
+                f"[0x{ptr:x}, 0x{end:x}) is not mapped all through: nothing is mapped at 0x{chunk_end:x}, "
+                f"after the cuMemCreate chunk that ends there") from exc
+        if base != chunk_end or size <= 0:  # pragma: no cover - a chunk always starts where it is mapped
+            raise InvalidArgumentError(f"unexpected VMM layout at 0x{chunk_end:x}: [0x{base:x}, +{size})")
+        boundaries.append(chunk_end)
+        chunk_end = base + size
+    return boundaries, chunk_end
+
+
 def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     """Export the page-aligned range that encloses a caller's bytes as a dma-buf.
 
@@ -183,6 +215,12 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     (``cuMemGetAddressRange``). The buffer keeps ``obj`` alive but does not
     own or free the memory.
 
+    CUDA VMM ranges mapped from several separately created ``cuMemCreate``
+    chunks are exported as one dma-buf when the driver exports all of it; the
+    dma-buf's size (``/proc/self/fdinfo``) is checked against the range, so a
+    driver that exported only part of it, or refused, raises an error naming
+    the chunk boundary instead of handing out half the bytes.
+
     Args:
         obj: an int ``CUdeviceptr`` (then ``size`` is required), or an object
             exposing DLPack or ``__cuda_array_interface__`` (torch, CuPy, cuda.core).
@@ -191,31 +229,64 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     Raises:
         AlignmentError: the enclosing page-aligned range leaves the allocation;
             the message states the page size and the misalignment.
-        NotSupportedError: the device cannot export this memory as a dma-buf.
-        CudaError: ``cuMemGetAddressRange`` or the export failed.
+        InvalidArgumentError: the range runs past its allocation, or through
+            unmapped VMM addresses.
+        NotSupportedError: the device cannot export this memory as a dma-buf,
+            or the driver exported only part of a multi-chunk VMM range.
+        CudaError: ``cuMemGetAddressRange`` or the export failed (for a
+            multi-chunk range the detail names the chunk boundaries).
     """
     ptr, nbytes, keep = pointer_and_size(obj, size)
     driver.init()
-    device = driver.pointer_device_ordinal(ptr)
+    try:
+        device = driver.pointer_device_ordinal(ptr)
+    except CudaError as exc:
+        if exc.result != "CUDA_ERROR_INVALID_VALUE":
+            raise
+        raise CudaError(exc.call, exc.result, exc.code,
+                        f"0x{ptr:x} is not memory that CUDA knows: a host pointer CUDA did not allocate, "
+                        f"or memory already freed") from exc
     driver.set_current(device)
     base, alloc_size = driver.mem_address_range(ptr)
-    if ptr + nbytes > base + alloc_size:
-        raise InvalidArgumentError(
-            f"[0x{ptr:x}, +{nbytes}) runs past its allocation [0x{base:x}, +{alloc_size})")
     page = page_size()
     start = ptr // page * page
     end = _round_up(ptr + nbytes, page)
-    if start < base or end > base + alloc_size:
+    limit = base + alloc_size
+    boundaries: list[int] = []
+    if ptr + nbytes > limit:
+        chunks = _vmm_chunks_after(ptr, limit, ptr + nbytes)
+        if chunks is None:
+            raise InvalidArgumentError(
+                f"[0x{ptr:x}, +{nbytes}) runs past its allocation [0x{base:x}, +{alloc_size})")
+        boundaries, limit = chunks
+    if start < base or end > limit:
         raise AlignmentError(
             f"cuMemGetHandleForAddressRange needs a {page}-byte page-aligned range; the pages enclosing "
             f"[0x{ptr:x}, +{nbytes}) are [0x{start:x}, 0x{end:x}), which leave the allocation "
-            f"[0x{base:x}, 0x{base + alloc_size:x}) (base misaligned by {ptr % page} bytes, "
+            f"[0x{base:x}, 0x{limit:x}) (base misaligned by {ptr % page} bytes, "
             f"end by {(ptr + nbytes) % page} bytes)")
+    crossing = ", ".join(f"0x{b:x}" for b in boundaries)
     attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if driver.pointer_is_host(ptr) else "DMA_BUF_SUPPORTED"
-    dmabuf = _dmabuf_for(start, end - start, device, attribute)
+    try:
+        dmabuf = _dmabuf_for(start, end - start, device, attribute)
+    except CudaError as exc:
+        if not boundaries:
+            raise
+        raise type(exc)(exc.call, exc.result, exc.code,
+                        f"[0x{start:x}, 0x{end:x}) crosses the boundary between separately created cuMemCreate "
+                        f"chunks at {crossing}; export each chunk on its own") from exc
+    got = dmabuf.info().size
+    if got != end - start:
+        dmabuf.close()
+        where = (f"; the range crosses the boundary between separately created cuMemCreate chunks at {crossing}"
+                 if boundaries else "")
+        raise NotSupportedError("cuMemGetHandleForAddressRange", "partial export", -1,
+                                f"the driver exported {got} of the {end - start} bytes of [0x{start:x}, 0x{end:x})"
+                                f"{where}")
     buf = ExportedBuffer(mechanism="dmabuf", memory="range", handle=dmabuf, ptr=ptr, size=nbytes,
                          offset=ptr - start, export_size=end - start, device=device,
                          device_uuid=driver.device_uuid(device))
     buf._keepalive = keep  # type: ignore[attr-defined]
+    buf.chunk_boundaries = boundaries  # type: ignore[attr-defined]
     buf._push(dmabuf.close)
     return buf
