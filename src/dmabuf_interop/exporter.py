@@ -50,11 +50,14 @@ def _check_size(size: int) -> int:
     return size
 
 
-def _dmabuf_for(ptr: int, size: int, device: int, attribute: str) -> DmaBuf:
-    """Export ``[ptr, ptr+size)``; explain a failure with the capability attribute."""
+def _dmabuf_for(ptr: int, size: int, device: int, attribute: str | None) -> DmaBuf:
+    """Export ``[ptr, ptr+size)``; explain a failure with the capability attribute
+    (``None``: decided from the pointer's memory type, only when the export failed)."""
     try:
         fd = driver.get_dmabuf_fd(ptr, size)
     except CudaError as exc:
+        if attribute is None:
+            attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if driver.pointer_is_host(ptr) else "DMA_BUF_SUPPORTED"
         try:
             supported = driver.device_attribute(device, attribute)
         except CudaError:
@@ -266,16 +269,16 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
             f"[0x{base:x}, 0x{limit:x}) (base misaligned by {ptr % page} bytes, "
             f"end by {(ptr + nbytes) % page} bytes)")
     crossing = ", ".join(f"0x{b:x}" for b in boundaries)
-    attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if driver.pointer_is_host(ptr) else "DMA_BUF_SUPPORTED"
     try:
-        dmabuf = _dmabuf_for(start, end - start, device, attribute)
+        dmabuf = _dmabuf_for(start, end - start, device, None)
     except CudaError as exc:
         if not boundaries:
             raise
         raise type(exc)(exc.call, exc.result, exc.code,
                         f"[0x{start:x}, 0x{end:x}) crosses the boundary between separately created cuMemCreate "
                         f"chunks at {crossing}; export each chunk on its own") from exc
-    got = dmabuf.info().size
+    # Only a range across chunks can come back short: check its size in fdinfo.
+    got = dmabuf.info().size if boundaries else end - start
     if got != end - start:
         dmabuf.close()
         where = (f"; the range crosses the boundary between separately created cuMemCreate chunks at {crossing}"
