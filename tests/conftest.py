@@ -69,3 +69,24 @@ def run_cli(*args: str, timeout: float = 120, extra_env: dict[str, str] | None =
         env.update(extra_env)
     return subprocess.run([sys.executable, "-m", "dmabuf_interop", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def fork_child(child) -> int:
+    """Fork; the child runs ``child()`` and ``os._exit``s with its int return value
+    (1 on an exception, whose traceback goes to stderr). Returns the pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = child()
+        except BaseException:  # noqa: BLE001 - a child never returns into pytest
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 1)
+    return pid

@@ -31,6 +31,7 @@ from dmabuf_interop.fdpass import (
     send_token,
     wait_child,
 )
+from tests.conftest import fork_child as _fork
 
 HEADER = struct.Struct(">I")
 
@@ -63,19 +64,6 @@ def pipe():
             pass
 
 
-def _fork(child) -> int:
-    """Fork; the child runs ``child()`` and exits with its return value (1 on any exception)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            code = child()
-        except BaseException:  # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
-    return pid
 
 
 def _read_all(fd: int) -> bytes:

@@ -30,6 +30,7 @@ from dmabuf_interop.errors import InvalidArgumentError, NotADmaBufError, PeerClo
 from dmabuf_interop.fd import OwnedFd, fd_is_open, open_fds
 from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token, wait_child
 from dmabuf_interop.memfd import count_mismatches_host, export_memfd, host_array, import_memfd, write_pattern_host
+from tests.conftest import fork_child as _fork
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "dmabuf_interop"
@@ -52,22 +53,6 @@ def no_leak():
     assert _memfd_maps() == maps, "a memfd mapping outlived its buffer"
 
 
-def _fork(child) -> int:
-    """Fork; the child runs ``child()`` and exits with its return value (1 on an exception)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            code = child()
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
-    return pid
 
 
 # --------------------------------------------------------------------------- fds that are not dma-bufs

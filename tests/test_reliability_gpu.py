@@ -28,6 +28,7 @@ from dmabuf_interop.errors import TimeoutError as DmaTimeoutError
 from dmabuf_interop.fd import OwnedFd, fd_is_open, open_fds
 from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token, wait_child
 from tests.conftest import env_with_src
+from tests.conftest import fork_child as _fork
 
 pytestmark = pytest.mark.gpu
 
@@ -78,23 +79,6 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"ok": True, "value": value}
 
 
-def _fork(child: Callable[[], Any]) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            code = child()
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else 1)
-    return pid
 
 
 def _warm(device: int = 0) -> None:

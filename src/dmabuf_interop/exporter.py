@@ -23,7 +23,7 @@ the demos call ``cuCtxSynchronize`` first, as the sample calls
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from . import driver
 from .buffers import ExportedBuffer
@@ -71,6 +71,29 @@ def _dmabuf_for(ptr: int, size: int, device: int, attribute: str | None) -> DmaB
     return DmaBuf(fd, size)
 
 
+def _export_allocation(size: int, device: int, memory: str, attribute: str,
+                       alloc: Callable[[int], int], free: Callable[[int], None]) -> ExportedBuffer:
+    """Allocate ``round_up(size, page) + page`` bytes, round the base up to a page and
+    export ``round_up(size, page)`` bytes from there as a dma-buf."""
+    _check_size(size)
+    driver.set_current(device)
+    uuid = driver.device_uuid(device)
+    page = page_size()
+    export_size = _round_up(size, page)
+    raw = alloc(export_size + page)
+    base = _round_up(raw, page)
+    try:
+        dmabuf = _dmabuf_for(base, export_size, device, attribute)
+    except BaseException:
+        free(raw)
+        raise
+    buf = ExportedBuffer(mechanism="dmabuf", memory=memory, handle=dmabuf, ptr=base, size=size, offset=0,
+                         export_size=export_size, device=device, device_uuid=uuid)
+    buf._push(lambda: (driver.set_current(device), free(raw)))
+    buf._push(dmabuf.close)  # closes first
+    return buf
+
+
 def export_host(size: int, device: int = 0) -> ExportedBuffer:
     """Export pinned host memory as a dma-buf (the CUDA dmabufInterop sample's producer).
 
@@ -93,25 +116,8 @@ def export_host(size: int, device: int = 0) -> ExportedBuffer:
             answers ``CUDA_ERROR_INVALID_VALUE`` on discrete GPUs with driver 580).
         CudaError: any other driver failure. InvalidArgumentError: size <= 0.
     """
-    _check_size(size)
-    driver.set_current(device)
-    page = page_size()
-    export_size = _round_up(size, page)
-    raw = driver.mem_alloc_host(export_size + page)
-    buf = None
-    try:
-        base = _round_up(raw, page)
-        dmabuf = _dmabuf_for(base, export_size, device, "HOST_ALLOC_DMA_BUF_SUPPORTED")
-        buf = ExportedBuffer(mechanism="dmabuf", memory="host", handle=dmabuf, ptr=base, size=size,
-                             offset=0, export_size=export_size, device=device,
-                             device_uuid=driver.device_uuid(device))
-    except BaseException:
-        if buf is None:
-            driver.mem_free_host(raw)
-        raise
-    buf._push(lambda: driver.mem_free_host(raw))
-    buf._push(dmabuf.close)
-    return buf
+    return _export_allocation(size, device, "host", "HOST_ALLOC_DMA_BUF_SUPPORTED",
+                              driver.mem_alloc_host, driver.mem_free_host)
 
 
 def export_device(size: int, device: int = 0) -> ExportedBuffer:
@@ -124,25 +130,7 @@ def export_device(size: int, device: int = 0) -> ExportedBuffer:
             driver answered ``CUDA_ERROR_NOT_SUPPORTED``.
         CudaError, InvalidArgumentError: as :func:`export_host`.
     """
-    _check_size(size)
-    driver.set_current(device)
-    page = page_size()
-    export_size = _round_up(size, page)
-    raw = driver.mem_alloc(export_size + page)
-    buf = None
-    try:
-        base = _round_up(raw, page)
-        dmabuf = _dmabuf_for(base, export_size, device, "DMA_BUF_SUPPORTED")
-        buf = ExportedBuffer(mechanism="dmabuf", memory="device", handle=dmabuf, ptr=base, size=size,
-                             offset=0, export_size=export_size, device=device,
-                             device_uuid=driver.device_uuid(device))
-    except BaseException:
-        if buf is None:
-            driver.mem_free(raw)
-        raise
-    buf._push(lambda: driver.mem_free(raw))
-    buf._push(dmabuf.close)
-    return buf
+    return _export_allocation(size, device, "device", "DMA_BUF_SUPPORTED", driver.mem_alloc, driver.mem_free)
 
 
 def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
