@@ -43,7 +43,7 @@ from .exporter import export_device, export_host, export_range
 from .fd import OwnedFd
 from .fdpass import recv_fd, recv_message, reap_child, send_fd, send_message
 from .importer import import_dmabuf
-from .mechanisms import get_mechanism
+from .mechanisms import export_shareable, get_mechanism, import_shared
 from .memfd import export_memfd, import_memfd
 from .vmm import export_posix_fd, import_posix_fd
 
@@ -53,7 +53,7 @@ __all__ = [
     "AlignmentError", "CudaError", "DmaBuf", "DmaBufError", "DmaBufInfo", "ExportedBuffer", "FdLimitError",
     "FdPassError", "ForkedAfterInitError", "ImportedBuffer", "InvalidArgumentError", "NoDriverError",
     "NotADmaBufError", "NotSupportedError", "OwnedFd", "PeerClosedError", "ProtocolError", "TimeoutError",
-    "export_device", "export_host", "export_memfd", "export_posix_fd", "export_range", "get_mechanism",
-    "import_dmabuf", "import_memfd", "import_posix_fd", "is_dmabuf", "reap_child", "recv_fd", "recv_message",
+    "export_device", "export_host", "export_memfd", "export_posix_fd", "export_range", "export_shareable",
+    "get_mechanism", "import_dmabuf", "import_shared", "import_memfd", "import_posix_fd", "is_dmabuf", "reap_child", "recv_fd", "recv_message",
     "send_fd", "send_message",
 ]
