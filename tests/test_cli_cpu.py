@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -180,6 +181,7 @@ BAD_OPTIONS = [
     ("--mechanism", ""),
     ("--memory", "managed"),
     ("--size", "0"),
+    ("--size", str((1 << 42) + 4)),
     ("--size", "-4"),
     ("--size", "-1"),
     ("--size", "abc"),
@@ -282,3 +284,72 @@ def test_option_parsing_property(case):
     for key, value in expect.items():
         got = getattr(ns, key)
         assert got == value and type(got) is type(value), (argv, key, got, value)
+
+
+# --------------------------------------------------------------------------- hostile environments
+
+
+def _sh(cmd: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, env=env_with_src())
+
+
+PY = f"{sys.executable} -m dmabuf_interop"
+
+
+@pytest.mark.parametrize("lines", [1, 3, 8])
+def test_reader_that_goes_away_is_no_traceback(lines):
+    out = _sh(f"{PY} --mechanism memfd | head -{lines}; echo \"rc=${{PIPESTATUS[0]}}\" >&2")
+    assert len(out.stdout.splitlines()) == lines
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] in ("rc=0", "rc=1")
+
+
+def test_closed_stdout_and_stderr_are_no_crash():
+    out = _sh(f"{PY} --mechanism memfd >&-; echo rc=$?")
+    assert out.stdout.strip() == "rc=0" and "Traceback" not in out.stderr, out.stderr
+    out = _sh(f"{PY} --bogus 2>&-; echo rc=$?")
+    assert out.stdout.strip() == "rc=2"
+
+
+def test_full_disk_stdout_is_one_line():
+    out = _sh(f"{PY} --mechanism memfd >/dev/full")
+    assert out.returncode == 1
+    assert len(out.stderr.strip().splitlines()) == 1 and "No space left" in out.stderr, out.stderr
+
+
+def test_memfd_larger_than_memory_fails_with_a_line():
+    out = run_cli("--mechanism", "memfd", "--size", str(1 << 40), timeout=60)
+    assert out.returncode == 1
+    assert "MemAvailable" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("sub", [["info"], ["bench", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1",
+                                            "--warmup", "0"]])
+def test_huge_timeouts_do_not_overflow(sub):
+    out = run_cli(*sub, "--timeout", "1e308", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "Overflow" not in out.stderr
+
+
+def test_interrupted_parent_reaps_its_children():
+    """SIGINT to the parent alone while a child works: 'interrupted', exit 130, no child left."""
+    env = env_with_src()
+    env[FAULT] = "child-hang-before-send"
+    proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop", "--mechanism", "memfd", "--timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        seen = ""
+        while "child:  wrote pattern" not in seen:
+            line = proc.stdout.readline()
+            assert line, "the run ended before the child wrote its pattern"
+            seen += line
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr
+    time.sleep(0.2)
+    assert _session_members(proc.pid) == [], "a child outlived the interrupted run"

@@ -177,7 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="log-log plot of median hand-off latency vs size "
                                                      "(needs matplotlib: pip install 'dmabuf-interop[plot]')")
     p.add_argument("--timeout", type=_seconds, default=300.0,
-                   help="seconds to wait for any message from a benchmark process (default 300)")
+                   help="seconds to wait for the next record from a benchmark process; a record comes after all "
+                        "repetitions of one size, so allow for --reps (default 300)")
 
 
 # --- statistics and formatting -----------------------------------------------------------

@@ -179,10 +179,13 @@ class ImportedBuffer(Owner):
 
     def as_buffer(self) -> Any:
         """A non-owning ``cuda.core.Buffer`` over the mapping; it keeps ``self`` alive."""
-        from cuda.core import Buffer
-
         if self.closed:
             raise ValueError("ImportedBuffer is closed")
+        if self.device < 0:
+            raise InvalidArgumentError("host shared memory (memfd) is not CUDA memory: use as_array() "
+                                       "for a NumPy view")
+        from cuda.core import Buffer
+
         return Buffer.from_handle(self.ptr, self.size, owner=self)
 
     def as_array(self, dtype: Any = "uint8", shape: Sequence[int] | None = None) -> Any:
@@ -193,13 +196,14 @@ class ImportedBuffer(Owner):
             shape: element counts; default: as many elements as fit in :attr:`size`.
 
         Returns:
-            a ``cuda.core.utils.StridedMemoryView`` (DLPack producer) over the mapping.
+            a ``cuda.core.utils.StridedMemoryView`` (DLPack producer) over the
+            mapping; for memfd (host memory), a NumPy array over it (also a
+            DLPack producer, on the CPU).
 
         Raises:
             InvalidArgumentError: the shape needs more than :attr:`size` bytes.
         """
         import numpy as np
-        from cuda.core.utils import StridedMemoryView
 
         dt = np.dtype(dtype)
         if shape is None:
@@ -208,6 +212,12 @@ class ImportedBuffer(Owner):
         need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if need > self.size or any(s < 0 for s in shape):
             raise InvalidArgumentError(f"shape {shape} of {dt} needs {need} bytes; the mapping has {self.size}")
+        if self.device < 0:
+            from .memfd import host_array
+
+            return host_array(self, dt)[: need // dt.itemsize].reshape(shape)
+        from cuda.core.utils import StridedMemoryView
+
         return StridedMemoryView.from_buffer(self.as_buffer(), shape, dtype=dt)
 
     def __repr__(self) -> str:

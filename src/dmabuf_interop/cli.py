@@ -11,6 +11,7 @@ Exit status: 0 passed or skipped for a missing capability, 1 failed,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -29,6 +30,12 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+#: Largest ``--size`` accepted (4 TiB): beyond any GPU or host memory, below every C integer limit.
+MAX_SIZE = 1 << 42
+#: Longest wait handed to subprocess and poll (about 11.6 days; poll takes an int of ms); longer ``--timeout`` values mean this.
+MAX_WAIT = 1e6
+
+
 def _size(text: str) -> int:
     try:
         value = int(text, 0)
@@ -36,6 +43,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number of bytes") from None
     if value <= 0 or value % 4:
         raise argparse.ArgumentTypeError(f"invalid size {value}: must be a positive multiple of 4 bytes")
+    if value > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"invalid size {value}: at most {MAX_SIZE} bytes (4 TiB)")
     return value
 
 
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the three demos (the default)")
     _add_run_options(run, defaults=False)
     info = sub.add_parser("info", help="tell whether dma-buf sharing works on this machine, and why not")
-    info.add_argument("--json", action="store_true", help="print one JSON object (keys documented in README)")
+    info.add_argument("--json", action="store_true", help="print one JSON object (keys documented in docs/info.md)")
     info.add_argument("--timeout", type=_timeout, default=argparse.SUPPRESS,
                       help="seconds the probe child may take (default 60)")
     bench = sub.add_parser("bench", help="benchmark sharing mechanisms against torch, cuda.core and CuPy IPC")
@@ -95,8 +104,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null so that the interpreter's final flush cannot fail again
+    (the recipe in the ``signal`` module's note on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _error(text: str) -> None:
+    try:
+        print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dmabuf-interop`` console script."""
+    """Entry point of the ``dmabuf-interop`` console script.
+
+    A user never sees a traceback: library errors, a closed or full stdout
+    (``| head``, ``>&-``, ``>/dev/full``), memory errors and Ctrl-C each end in
+    one line on stderr and an exit status (set ``DMABUF_INTEROP_DEBUG=1`` to get
+    the traceback of an unexpected error).
+    """
+    for name in ("stdout", "stderr"):  # closed by the caller (>&-): write to /dev/null instead
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     except (AttributeError, ValueError):
@@ -108,18 +144,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "info":
             from .info import main as info_main
 
-            return info_main(json_output=args.json, timeout=args.timeout)
+            return info_main(json_output=args.json, timeout=min(args.timeout, MAX_WAIT))
         if args.command == "bench":
             from .bench import main as bench_main
 
+            args.timeout = min(args.timeout, MAX_WAIT)
             return bench_main(args)
         from .demos import DemoOptions, run_demos
 
         return run_demos(DemoOptions(mechanism=args.mechanism, memory=args.memory, device=args.device,
                                      size=args.size, timeout=args.timeout))
+    except BrokenPipeError:
+        _quiet_stdout()  # the reader went away (| head): stop quietly
+        return 1
     except DmaBufError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        _error(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        _error("interrupted")
         return 130
+    except (MemoryError, OSError) as exc:
+        _error(f"error: {type(exc).__name__}: {exc}")
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the promise is one line, not a traceback
+        if os.environ.get("DMABUF_INTEROP_DEBUG"):
+            raise
+        _error(f"internal error: {type(exc).__name__}: {exc} (set DMABUF_INTEROP_DEBUG=1 for the traceback)")
+        return 1

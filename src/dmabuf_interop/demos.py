@@ -14,8 +14,10 @@ before freeing its memory; stdout is line-buffered and flushed before each
 fork, so lines come in source order when piped. A child prints "sent fd to
 parent" just before its ``sendmsg``, so its line always precedes the parent's.
 
-Added: every call is checked; every wait has a timeout; children are always
-reaped (killed past the timeout); a missing capability is a skip line with the
+Added: every call is checked; every wait for a peer's work has a timeout (a
+child's wait for "go" ends by EOF when the parent exits, so demo 1 may take
+its time); children are always reaped (killed past the timeout, or at once
+when the run is interrupted); a missing capability is a skip line with the
 reason, a failure a line naming the call and its ``CUresult``.
 
 Import pre-flight: none. The real import call decides. A ``NOT_SUPPORTED``
@@ -86,11 +88,11 @@ class _Printer:
 def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, say: _Printer) -> int:
     """A forked producer. Returns its exit status."""
     try:
-        recv_token(sock, opts.timeout)
+        # No deadline for "go": demo 1 may take long, and the parent's exit (even a
+        # crash) closes its end, which ends this wait with EOF.
+        recv_token(sock, None)
     except PeerClosedError:
         return 0  # the parent skipped this demo
-    except DmaTimeoutError:
-        return 1
     fault = os.environ.get(FAULT_ENV, "")
     where = ""
     device = opts.device
@@ -145,10 +147,12 @@ def _fork_child(demo: int, mech: Mechanism, opts: DemoOptions, out: TextIO,
             for s in close_in_child:
                 s.close()
             status = _child(child_end, demo, mech, opts, _Printer(out))
+        except KeyboardInterrupt:
+            status = 130  # Ctrl-C reached the whole process group: the parent reports it
         except BaseException as exc:  # noqa: BLE001 - a child never returns into the caller
             try:
-                _Printer(out)(f"  child:  failed: {exc}")
-            except BaseException:  # noqa: BLE001
+                _Printer(out)(f"  child:  failed: {exc or type(exc).__name__}")
+            except BaseException:  # noqa: BLE001 - stdout gone (closed pipe): nothing to tell
                 pass
         finally:
             try:
@@ -279,10 +283,15 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
     pid2, sock2 = _fork_child(3, mech, opts, out, [sock1])
     children = {pid1: sock1, pid2: sock2}
 
-    def finish(status: int) -> int:
-        for pid, sock in children.items():
-            sock.close()  # EOF: a child still waiting for "go" skips
-            wait_child(pid, opts.timeout)
+    def finish(status: int, kill: bool = False) -> int:
+        """Close every child's socket (EOF: one still waiting for "go" skips) and reap it;
+        ``kill``: SIGKILL first (we are being interrupted or failed unexpectedly)."""
+        for pid, sock in list(children.items()):
+            sock.close()
+            try:
+                wait_child(pid, 0 if kill else opts.timeout)
+            except ChildProcessError:  # already reaped by the demo that was interrupted
+                pass
         children.clear()
         return status
 
@@ -292,7 +301,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
                 driver.init()
                 count = driver.device_count()
             except NoDriverError as exc:
-                say(f"No CUDA driver on this machine ({exc}).")
+                say(f"No CUDA driver on this machine: {exc.detail or exc}")
                 say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
                 return finish(0)
             if not 0 <= opts.device < count:
@@ -314,7 +323,8 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
         results = [_same_process(mech, opts, say)]
         say()
         say("Cross-process IPC (fork + SCM_RIGHTS)")
-        results.append(_cross_process(pid1, children.pop(pid1), mech, opts, opts.device, "", say))
+        results.append(_cross_process(pid1, sock1, mech, opts, opts.device, "", say))
+        children.pop(pid1)  # reaped by _cross_process
         say()
         say("Cross-GPU sharing across processes")
         pair = mech.pair() if mech.uses_cuda else None
@@ -322,8 +332,8 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             say(f"  {mech.no_pair_reason()}")
             results.append((Outcome.SKIPPED, mech.no_pair_reason()))
         else:
-            results.append(_cross_process(pid2, children.pop(pid2), mech, opts, pair[1],
-                                          f"on device {pair[1]}, ", say))
+            results.append(_cross_process(pid2, sock2, mech, opts, pair[1], f"on device {pair[1]}, ", say))
+            children.pop(pid2)
         say()
         if any(o is Outcome.FAILED for o, _ in results):
             return finish(1)
@@ -332,5 +342,5 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             say(_hint(mech, opts.device))
         return finish(0)
     except BaseException:
-        finish(1)
+        finish(1, kill=True)
         raise

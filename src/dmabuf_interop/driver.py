@@ -116,7 +116,7 @@ def init() -> None:
         try:
             err, = drv.cuInit(0)
         except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
-            raise NoDriverError("cuInit", "no CUDA driver", -1, str(exc)) from exc
+            raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1, str(exc)) from exc
         name = result_name(err)
         if name in ("CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY", "CUDA_ERROR_INSUFFICIENT_DRIVER"):
             raise NoDriverError("cuInit", name, int(err))

@@ -10,6 +10,7 @@ Callers branch on meaning, not on strings::
     ├── InvalidArgumentError         bad input caught in user space before any driver call
     │   ├── NotADmaBufError          the fd is not a dma-buf (or not an open fd at all)
     │   └── AlignmentError           a base or size breaks the page-alignment rule
+    ├── SyscallError                 a system call failed (names the call and the errno)
     ├── FdPassError                  SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError          the peer closed its end (EOF)
     │   ├── ProtocolError            a malformed message: no fd, too many fds, bad framing
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotADmaBufError",
     "AlignmentError",
+    "SyscallError",
     "FdPassError",
     "PeerClosedError",
     "ProtocolError",
@@ -93,6 +95,25 @@ class NotADmaBufError(InvalidArgumentError):
 
 class AlignmentError(InvalidArgumentError):
     """A base address, offset or size breaks the page-alignment rule."""
+
+
+class SyscallError(DmaBufError, OSError):
+    """A system call failed; ``str()`` names the call and the errno name.
+
+    Attributes:
+        call: e.g. ``"ftruncate"``. errno: the ``errno`` value (``None`` if none).
+    """
+
+    def __init__(self, call: str, exc: BaseException) -> None:
+        import errno as _errno
+
+        code = getattr(exc, "errno", None)
+        name = _errno.errorcode.get(code, type(exc).__name__) if code is not None else type(exc).__name__
+        self.call = call
+        super().__init__(code, f"{call} -> {name} ({getattr(exc, 'strerror', None) or exc})")
+
+    def __str__(self) -> str:
+        return str(self.args[1])
 
 
 class FdPassError(DmaBufError):

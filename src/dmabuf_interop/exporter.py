@@ -146,7 +146,11 @@ def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
         return obj, _check_size(size), None
     from cuda.core.utils import StridedMemoryView
 
-    view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)
+    try:
+        view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)
+    except (BufferError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgumentError(f"cannot export a {type(obj).__name__}: it exposes neither DLPack nor "
+                                   f"__cuda_array_interface__ for CUDA memory ({exc})") from exc
     itemsize = view.dtype.itemsize if view.dtype is not None else 1
     nbytes = itemsize
     for s in view.shape:

@@ -59,6 +59,8 @@ _MAX_FDS = 8
 def _check_unix(sock: socket.socket) -> None:
     if not isinstance(sock, socket.socket):
         raise InvalidArgumentError(f"expected a socket.socket, got {type(sock).__name__}")
+    if sock.fileno() == -1:
+        raise InvalidArgumentError("the socket is closed")
     if sock.family != socket.AF_UNIX:
         raise InvalidArgumentError(
             f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
@@ -88,6 +90,8 @@ def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> No
 def _deadline(timeout: float | None) -> float | None:
     if timeout is None:
         return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
     if not timeout >= 0:  # also refuses NaN, which would never expire
         raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
     return time.monotonic() + timeout
@@ -148,7 +152,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
         if fd is None:
             sock.sendall(data)
         else:
-            if not isinstance(fd, int) or fd < 0:
+            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
                 raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
             sent = socket.send_fds(sock, [data], [fd])
             if sent < len(data):
@@ -272,7 +276,7 @@ def send_fd(sock: socket.socket, fd: int, meta: dict[str, Any] | None = None) ->
 
     The caller keeps ownership of its ``fd``; see :func:`send_message`.
     """
-    if not isinstance(fd, int) or fd < 0:
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
         raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
     send_message(sock, meta or {}, fd)
 

@@ -264,11 +264,17 @@ def gather_cuda(timeout: float = 60.0, argv: Sequence[str] | None = None) -> tup
 
 # --- the report --------------------------------------------------------------------
 
+def _no_cuda(cuda: dict[str, Any]) -> tuple[bool | None, str]:
+    """Not usable when the driver said so; unknown (``None``) when the probe child
+    crashed or timed out before it could say anything."""
+    return (False if cuda.get("worker", "ok") == "ok" else None), cuda["reason"]
+
+
 def _decide(memory: str, cuda: dict[str, Any], gpus: list[dict[str, Any]], system: dict[str, Any],
             ) -> tuple[bool | None, str]:
     """The one deciding reason for dma-buf from ``memory`` (``host``/``device``) memory."""
     if not cuda["available"]:
-        return False, cuda["reason"]
+        return _no_cuda(cuda)
     attr = "HOST_ALLOC_DMA_BUF_SUPPORTED" if memory == "host" else "DMA_BUF_SUPPORTED"
     probe_key, alloc = ("host_dmabuf_export", "cuMemAllocHost") if memory == "host" else \
         ("device_dmabuf_export", "cuMemAlloc")
@@ -296,7 +302,7 @@ def _decide(memory: str, cuda: dict[str, Any], gpus: list[dict[str, Any]], syste
 
 def _decide_posix(cuda: dict[str, Any], gpus: list[dict[str, Any]]) -> tuple[bool | None, str]:
     if not cuda["available"]:
-        return False, cuda["reason"]
+        return _no_cuda(cuda)
     if not gpus:
         return None, "no GPU was reported"
     attr = "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
@@ -408,7 +414,7 @@ def format_report(r: dict[str, Any]) -> str:
         state = {True: "usable", False: "not usable", None: "unknown"}[m["usable"]]
         line = f"  {key:<14} {state:<11} {m['reason']}"
         out.append(line)
-        if key != "memfd":
+        if key != "memfd" and c["available"]:
             pair = m["pair"]
             cross = (f"GPU {pair[0]} -> GPU {pair[1]}, peer access {_yn(m['peer_access'])}" if pair else
                      "no pair" + (" (needs 2 GPUs)" if c["device_count"] < 2 else " satisfies the attributes"))

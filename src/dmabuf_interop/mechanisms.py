@@ -149,8 +149,15 @@ class MemfdMechanism(Mechanism):
     import_line = "mapped host shared memory (memfd) into this process"  # type: ignore[assignment]
 
     def export(self, size: int, device: int) -> ExportedBuffer:
+        """:func:`~.memfd.export_memfd`, after checking that the pattern (every byte is
+        written) fits in ``MemAvailable`` from ``/proc/meminfo``."""
         from .memfd import export_memfd
 
+        avail = _mem_available()
+        if avail is not None and size > avail:
+            raise InvalidArgumentError(
+                f"{size} bytes of host shared memory is more than this machine has available "
+                f"({avail} bytes, MemAvailable in /proc/meminfo); the demo writes every byte")
         return export_memfd(size)
 
     def import_(self, fd: int, meta: dict[str, Any], device: int) -> ImportedBuffer:
@@ -170,6 +177,18 @@ class MemfdMechanism(Mechanism):
 
     def no_pair_reason(self) -> str:
         return "host shared memory involves no GPU. Skipping."
+
+
+def _mem_available() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` when unreadable."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def get_mechanism(name: str, memory: str = "host") -> Mechanism:

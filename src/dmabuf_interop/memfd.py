@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from .buffers import ExportedBuffer, ImportedBuffer
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, SyscallError
 from .fd import OwnedFd, fd_is_open
 
 __all__ = ["export_memfd", "import_memfd", "is_memfd", "host_array", "write_pattern_host", "count_mismatches_host"]
@@ -58,15 +58,26 @@ def export_memfd(size: int, name: str = "dmabuf-interop") -> ExportedBuffer:
         the host address of the mapping. Use :func:`host_array` for a NumPy view.
 
     Raises:
-        InvalidArgumentError: size <= 0. OSError: a syscall failed.
+        InvalidArgumentError: size <= 0.
+        SyscallError: ``memfd_create``, ``ftruncate``, ``fcntl(F_ADD_SEALS)`` or
+            ``mmap`` failed (e.g. ``ENOMEM``, or a size the kernel cannot take).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
-    fd = OwnedFd(os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+    try:
+        fd = OwnedFd(os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+    except OSError as exc:
+        raise SyscallError("memfd_create", exc) from exc
+    step = "ftruncate"
     try:
         os.ftruncate(fd.fd, size)
+        step = "fcntl(F_ADD_SEALS)"
         fcntl.fcntl(fd.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        step = "mmap"
         mapping = _Mapping(fd.fd, size)
+    except (OSError, OverflowError, ValueError) as exc:
+        fd.close()
+        raise SyscallError(step, exc) from exc
     except BaseException:
         fd.close()
         raise
@@ -105,7 +116,10 @@ def import_memfd(fd: int | OwnedFd, size: int, offset: int = 0) -> ImportedBuffe
     file_size = os.fstat(raw).st_size
     if offset + size > file_size:
         raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the memfd's {file_size} bytes")
-    mapping = _Mapping(raw, offset + size)
+    try:
+        mapping = _Mapping(raw, offset + size)
+    except (OSError, OverflowError, ValueError) as exc:
+        raise SyscallError("mmap", exc) from exc
     buf = ImportedBuffer(mechanism="memfd", ptr=mapping.address + offset, size=size, device=-1)
     buf._mapping = mapping  # type: ignore[attr-defined]
     buf._offset = offset  # type: ignore[attr-defined]
@@ -123,21 +137,35 @@ def host_array(buf: ExportedBuffer | ImportedBuffer, dtype: Any = "int32") -> An
     return np.frombuffer(mapping.map, dtype=dt, count=buf.size // dt.itemsize, offset=offset)
 
 
-def write_pattern_host(buf: ExportedBuffer | ImportedBuffer, base: int = 0x1000) -> None:
-    """``a[i] = base + i`` over the buffer's int32 elements."""
+#: Elements handled at a time by the host pattern functions (16 MiB of int32), so
+#: their temporary arrays stay small whatever the buffer's size.
+_CHUNK = 1 << 22
+
+
+def _expected(base: int, start: int, stop: int) -> Any:
     import numpy as np
 
+    # int32 wrap-around, as the CUDA kernels compute base + (int)i
+    return (np.arange(start, stop, dtype=np.int64) + base).astype(np.int32)
+
+
+def write_pattern_host(buf: ExportedBuffer | ImportedBuffer, base: int = 0x1000) -> None:
+    """``a[i] = base + i`` (int32) over the buffer, in chunks of 4M elements."""
     a = host_array(buf)
-    a[:] = np.arange(base, base + a.size, dtype=np.int64).astype(np.int32)
+    for start in range(0, a.size, _CHUNK):
+        stop = min(start + _CHUNK, a.size)
+        a[start:stop] = _expected(base, start, stop)
     del a
 
 
 def count_mismatches_host(buf: ExportedBuffer | ImportedBuffer, base: int = 0x1000) -> int:
-    """How many int32 elements differ from ``base + i``."""
+    """How many int32 elements differ from ``base + i`` (checked in chunks of 4M elements)."""
     import numpy as np
 
     a = host_array(buf)
-    expected = np.arange(base, base + a.size, dtype=np.int64).astype(np.int32)
-    n = int(np.count_nonzero(a != expected))
+    n = 0
+    for start in range(0, a.size, _CHUNK):
+        stop = min(start + _CHUNK, a.size)
+        n += int(np.count_nonzero(a[start:stop] != _expected(base, start, stop)))
     del a
     return n
