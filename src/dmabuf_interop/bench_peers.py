@@ -42,6 +42,7 @@ from typing import Any
 from . import driver
 from .errors import CudaError, NotSupportedError
 from .fd import OwnedFd
+from .fdpass import close_fds as _close_fds
 from .fdpass import recv_message, send_message
 
 __all__ = ["main", "READ_SOURCE", "CACHED_RING"]
@@ -80,12 +81,6 @@ class NotInstalled(Exception):
     """A peer library is missing in this interpreter."""
 
 
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -286,6 +281,19 @@ class Bench:
     def recv(self, max_fds: int = 1) -> tuple[dict[str, Any], list[int]]:
         return recv_message(self.io.pc, self.io.timeout, max_fds=max_fds)
 
+    def share(self, rep: int, export: Any) -> list[int]:
+        """Time ``export()``, keep the ExportedBuffer for :meth:`release_exported`, send its fd
+        and metadata: ``[t0, t_exp, t_send]``."""
+        t0 = now()
+        self.exported = export()
+        t_exp = now()
+        t_send = now()
+        send_message(self.io.pc, {"rep": rep, **self.exported.describe()}, self.exported.fd)
+        return [t0, t_exp, t_send]
+
+    def release_exported(self) -> None:
+        self.exported.close()
+
 
 class PosixFd(Bench):
     """Naive: a fresh exportable allocation and a fresh import for every hand-off."""
@@ -299,16 +307,10 @@ class PosixFd(Bench):
         from .vmm import export_posix_fd
 
         self.steps.take()
-        t0 = now()
-        exported = export_posix_fd(self.size, self.io.producer_device)
-        t_exp = now()
-        self.exported = exported
-        t_send = now()
-        send_message(self.io.pc, {"rep": rep, **exported.describe()}, exported.fd)
-        return {"t": [t0, t_exp, t_send], "steps": self.steps.take()}
+        t = self.share(rep, lambda: export_posix_fd(self.size, self.io.producer_device))
+        return {"t": t, "steps": self.steps.take()}
 
-    def release_producer(self) -> None:
-        self.exported.close()
+    release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
         from .vmm import import_posix_fd
@@ -423,16 +425,9 @@ class DmaBufBench(Bench):
     def produce(self, rep: int) -> dict[str, Any]:
         from .exporter import export_range
 
-        t0 = now()
-        exported = export_range(self.ptr, self.size)
-        t_exp = now()
-        self.exported = exported
-        t_send = now()
-        send_message(self.io.pc, {"rep": rep, **exported.describe()}, exported.fd)
-        return {"t": [t0, t_exp, t_send]}
+        return {"t": self.share(rep, lambda: export_range(self.ptr, self.size))}
 
-    def release_producer(self) -> None:
-        self.exported.close()
+    release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
         from .importer import import_dmabuf
@@ -470,16 +465,9 @@ class MemfdBench(Bench):
     def produce(self, rep: int) -> dict[str, Any]:
         from .memfd import export_memfd
 
-        t0 = now()
-        exported = export_memfd(self.size)
-        t_exp = now()
-        self.exported = exported
-        t_send = now()
-        send_message(self.io.pc, {"rep": rep, **exported.describe()}, exported.fd)
-        return {"t": [t0, t_exp, t_send]}
+        return {"t": self.share(rep, lambda: export_memfd(self.size))}
 
-    def release_producer(self) -> None:
-        self.exported.close()
+    release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
         from .memfd import import_memfd

@@ -39,7 +39,7 @@ from . import capabilities, driver
 from .errors import DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError
 from .errors import TimeoutError as DmaTimeoutError
 from .fd import OwnedFd
-from .fdpass import recv_message, recv_token, send_message, send_token, wait_child
+from .fdpass import close_fds, recv_message, recv_token, send_message, send_token, wait_child
 from .mechanisms import Mechanism, get_mechanism
 
 __all__ = ["Outcome", "DemoOptions", "run_demos"]
@@ -228,8 +228,7 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
         return Outcome.FAILED, str(exc)
     status = msg.get("status", "ok")  # an export's describe() carries no status
     if status != "ok" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
+        close_fds(fds)
         sock.close()
         ended = wait_child(pid, opts.timeout)
         if status == "skip":

@@ -42,6 +42,7 @@ __all__ = [
     "recv_message",
     "encode_message",
     "decode_message",
+    "close_fds",
     "send_token",
     "recv_token",
     "ChildExit",
@@ -165,7 +166,8 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
         raise
 
 
-def _close_all(fds: list[int]) -> None:
+def close_fds(fds: list[int]) -> None:
+    """Close every fd in ``fds``, ignoring ones already closed (for fds received in a message)."""
     for fd in fds:
         try:
             os.close(fd)
@@ -234,7 +236,7 @@ def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: 
             soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             # Close what arrived first: at the limit, listing /proc/self/fd needs a free fd.
             narrived = len(fds)
-            _close_all(fds)
+            close_fds(fds)
             fds.clear()
             try:
                 nopen = len(os.listdir("/proc/self/fd")) - 1 + narrived  # as at the truncation
@@ -267,7 +269,7 @@ def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: 
             raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
         return decode_message(data), fds
     except BaseException:
-        _close_all(fds)
+        close_fds(fds)
         raise
 
 
