@@ -24,7 +24,9 @@ from __future__ import annotations
 from . import driver
 from .buffers import ExportedBuffer, ImportedBuffer
 from .errors import InvalidArgumentError, NotSupportedError
+from .dmabuf import is_dmabuf
 from .fd import OwnedFd, fd_is_open
+from .memfd import is_memfd
 
 __all__ = ["export_posix_fd", "import_posix_fd", "granularity"]
 
@@ -53,9 +55,9 @@ def _not_a_handle(fd: int) -> str | None:
         return "a pipe"
     if stat.S_ISSOCK(mode):
         return "a socket"
-    if link.startswith("/dmabuf:") or link == "anon_inode:dmabuf":
+    if is_dmabuf(fd):
         return "a dma-buf (import it with import_dmabuf)"
-    if link.startswith("/memfd:"):
+    if is_memfd(fd):
         return "a memfd (map it with import_memfd)"
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISBLK(mode):
         return f"a file ({link!r})"
