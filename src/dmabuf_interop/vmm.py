@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from . import driver
 from .buffers import ExportedBuffer, ImportedBuffer
-from .errors import InvalidArgumentError, NotSupportedError
 from .dmabuf import is_dmabuf
+from .errors import InvalidArgumentError, NotSupportedError
 from .fd import OwnedFd, fd_is_open
 from .memfd import is_memfd
 
