@@ -12,7 +12,7 @@ so instead of raising.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from . import driver
 from .errors import CudaError, DmaBufError, NoDriverError
@@ -93,17 +93,22 @@ class Probe:
         return asdict(self)
 
 
-def _try(fn: Callable[[], object]) -> Probe:
+def _attempt(fn: Callable[[], Any]) -> tuple[Probe, Any]:
+    """Run one probe call: its answer and, when it worked, what it returned (the caller closes it)."""
     try:
-        out = fn()
+        return Probe("ok"), fn()
     except CudaError as exc:
-        return Probe("unsupported", exc.result, exc.call, exc.detail)
+        return Probe("unsupported", exc.result, exc.call, exc.detail), None
     except DmaBufError as exc:
-        return Probe("unknown", "", "", str(exc))
-    close = getattr(out, "close", None)
-    if close is not None:
-        close()
-    return Probe("ok")
+        return Probe("unknown", "", "", str(exc)), None
+
+
+def _try(fn: Callable[[], Any]) -> Probe:
+    """Run one probe call and close what it returned."""
+    probe, out = _attempt(fn)
+    if out is not None:
+        out.close()
+    return probe
 
 
 def probe_device(ordinal: int, peer: int | None = None) -> dict[str, Probe]:
@@ -124,31 +129,15 @@ def probe_device(ordinal: int, peer: int | None = None) -> dict[str, Probe]:
     out: dict[str, Probe] = {
         "host_dmabuf_export": _try(lambda: export_host(page, ordinal)),
     }
-    dev_export = None
-
-    def device_export() -> object:
-        nonlocal dev_export
-        dev_export = export_device(page, ordinal)
-        return None
-
-    out["device_dmabuf_export"] = _try(device_export)
-    if dev_export is not None:
-        exp = dev_export
+    out["device_dmabuf_export"], exp = _attempt(lambda: export_device(page, ordinal))
+    if exp is not None:
         out["dmabuf_import"] = _try(lambda: import_dmabuf(exp.handle, exp.size, ordinal, exp.offset))
         exp.close()
     else:
         out["dmabuf_import"] = Probe("unknown", "", "", "no dma-buf could be exported to import")
 
-    vmm = None
-
-    def posix_export() -> object:
-        nonlocal vmm
-        vmm = export_posix_fd(page, ordinal)
-        return None
-
-    out["posix_fd_export"] = _try(posix_export)
-    if vmm is not None:
-        v = vmm
+    out["posix_fd_export"], v = _attempt(lambda: export_posix_fd(page, ordinal))
+    if v is not None:
         out["vmm_dmabuf_export"] = _try(lambda: export_range(v.ptr, v.size))
         out["posix_fd_import"] = _try(lambda: import_posix_fd(v.fd, v.size, ordinal, 0, v.export_size))
         if peer is not None and peer != ordinal:
