@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dmabuf_interop.errors import DmaBufError, NotSupportedError  # noqa: E402
 from dmabuf_interop.fd import OwnedFd, open_fds  # noqa: E402
-from dmabuf_interop.fdpass import recv_message, send_message, wait_child  # noqa: E402
+from dmabuf_interop.fdpass import recv_message, send_message  # noqa: E402
+from dmabuf_interop.procs import wait_child  # noqa: E402
 
 MECHANISMS = ("posix-fd", "dmabuf", "memfd")
 
@@ -62,7 +63,7 @@ class _Steps:
 
     def setup(self, device: int) -> None:
         if self.cuda:
-            from dmabuf_interop import driver
+            from dmabuf_interop import _driver as driver
             from dmabuf_interop.kernels import _kernels
 
             driver.set_current(device)
@@ -70,14 +71,14 @@ class _Steps:
 
     def export(self, size: int, device: int) -> Any:
         if self.mechanism == "posix-fd":
-            from dmabuf_interop.vmm import export_posix_fd
+            from dmabuf_interop.mechanisms.posix_fd import export_posix_fd
 
             return export_posix_fd(size, device)
         if self.mechanism == "dmabuf":
-            from dmabuf_interop.exporter import export_device, export_host
+            from dmabuf_interop.mechanisms.dmabuf import export_device, export_host
 
             return (export_device if self.memory == "device" else export_host)(size, device)
-        from dmabuf_interop.memfd import export_memfd
+        from dmabuf_interop.mechanisms.memfd import export_memfd
 
         return export_memfd(size)
 
@@ -87,36 +88,28 @@ class _Steps:
 
             write_pattern(exp.ptr, exp.size, exp.device, base=base, sync=False)  # send() synchronises
         else:
-            from dmabuf_interop.memfd import write_pattern_host
+            from dmabuf_interop.mechanisms.memfd import write_pattern_host
 
             write_pattern_host(exp, base)
 
     def import_(self, fd: int, meta: dict[str, Any], device: int) -> Any:
-        if self.mechanism == "posix-fd":
-            from dmabuf_interop.vmm import import_posix_fd
+        from dmabuf_interop import import_shared
 
-            return import_posix_fd(fd, int(meta["size"]), device, int(meta["offset"]), int(meta["export_size"]))
-        if self.mechanism == "dmabuf":
-            from dmabuf_interop.importer import import_dmabuf
-
-            return import_dmabuf(fd, int(meta["size"]), device, int(meta["offset"]))
-        from dmabuf_interop.memfd import import_memfd
-
-        return import_memfd(fd, int(meta["size"]), int(meta["offset"]))
+        return import_shared(fd, meta, device)  # validates the descriptor, dispatches on its mechanism
 
     def verify(self, imp: Any, base: int) -> int:
         if self.cuda:
             from dmabuf_interop.kernels import count_mismatches
 
             return count_mismatches(imp.ptr, imp.size, imp.device, base=base)
-        from dmabuf_interop.memfd import count_mismatches_host
+        from dmabuf_interop.mechanisms.memfd import count_mismatches_host
 
         return count_mismatches_host(imp, base)
 
     def free_memory(self) -> int | None:
         if not self.cuda:
             return None
-        from dmabuf_interop import driver
+        from dmabuf_interop import _driver as driver
 
         return driver.mem_get_info()[0]
 
@@ -190,7 +183,7 @@ def _producer(sock: socket.socket, steps: _Steps, a: argparse.Namespace) -> dict
 
 
 def _consumer(sock: socket.socket, steps: _Steps, a: argparse.Namespace) -> dict[str, Any]:
-    from dmabuf_interop.dmabuf import dmabuf_info, is_dmabuf
+    from dmabuf_interop.linux_dmabuf import dmabuf_info, is_dmabuf
 
     out: dict[str, Any] = {"imports": 0, "import_refusals": 0, "import_refusal": None}
     try:

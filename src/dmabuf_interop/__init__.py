@@ -1,32 +1,32 @@
 """dmabuf-interop: share CUDA buffers between contexts, processes and GPUs through Linux fds.
 
 Importing this package never loads ``libcuda`` or initialises CUDA: the
-driver is reached only when a function that needs it is called (see
-:mod:`dmabuf_interop.driver`).
+driver is reached only when a function that needs it is called.
 
-Modules, one concept each:
+The library, one job per module (``docs/architecture.md`` walks through it):
 
-* :mod:`.errors` - the error hierarchy (``DmaBufError`` and friends).
-* :mod:`.driver` - the one module that calls the CUDA driver API, checked.
-* :mod:`.fd`, :mod:`.dmabuf` - fd ownership; the kernel's dma-buf uAPI.
-* :mod:`.exporter`, :mod:`.importer` - dma-buf export from and import into CUDA.
-* :mod:`.vmm` - CUDA VMM POSIX-fd shareable handles.
-* :mod:`.memfd` - host shared memory, no GPU needed.
-* :mod:`.buffers` - ``ExportedBuffer`` / ``ImportedBuffer``, the shapes all mechanisms return.
-* :mod:`.mechanisms` - pick a mechanism by name.
-* :mod:`.fdpass` - ``SCM_RIGHTS`` fd passing with timeouts.
-* :mod:`.capabilities` - attributes, probes, cross-GPU pairs.
-* :mod:`.kernels` - the NVRTC-compiled pattern writer and verifier.
-* :mod:`.demos`, :mod:`.info`, :mod:`.bench`, :mod:`.cli` - the command line.
+* :mod:`.errors` - the error hierarchy callers branch on.
+* :mod:`._driver` - the one module that calls the CUDA driver API, checked.
+* :mod:`._checks`, :mod:`._time` - argument checks and deadlines shared by all.
+* :mod:`.fd`, :mod:`.fdpass`, :mod:`.procs` - fd ownership; ``SCM_RIGHTS`` framing; child processes.
+* :mod:`.linux_dmabuf` - ``DmaBuf`` and the kernel's dma-buf uAPI.
+* :mod:`.kinds`, :mod:`.descriptor`, :mod:`.buffers` - names, the typed share descriptor,
+  the buffers every mechanism returns.
+* :mod:`.mechanisms` - dma-buf, POSIX fd and memfd side by side behind one interface.
+* :mod:`.capabilities`, :mod:`.kernels` - what the driver claims; the pattern kernels.
+
+The tools (``dmabuf-interop`` demos, ``info``, ``bench``) live in :mod:`.cli`
+and only compose library calls.
 """
 
 from __future__ import annotations
 
-from .buffers import ExportedBuffer, ImportedBuffer
-from .dmabuf import DmaBuf, DmaBufInfo, is_dmabuf
+from .buffers import ExportedBuffer, ImportedBuffer, Transaction
+from .descriptor import ShareDescriptor
 from .errors import (
     AlignmentError,
     CudaError,
+    CudaNotSupportedError,
     DmaBufError,
     FdLimitError,
     FdPassError,
@@ -37,23 +37,28 @@ from .errors import (
     NotSupportedError,
     PeerClosedError,
     ProtocolError,
-    TimeoutError,
+    SyscallError,
+    WaitTimeoutError,
 )
-from .exporter import export_device, export_host, export_range
 from .fd import OwnedFd
-from .fdpass import recv_fd, recv_message, reap_child, send_fd, send_message
-from .importer import import_dmabuf
+from .fdpass import recv_fd, recv_message, send_fd, send_message
+from .kinds import MechanismName, MemoryKind
+from .linux_dmabuf import DmaBuf, DmaBufInfo, is_dmabuf
 from .mechanisms import export_shareable, get_mechanism, import_shared
-from .memfd import export_memfd, import_memfd
-from .vmm import export_posix_fd, import_posix_fd
+from .mechanisms.dmabuf import export_device, export_host, export_range, import_dmabuf
+from .mechanisms.memfd import export_memfd, import_memfd
+from .mechanisms.posix_fd import export_posix_fd, import_posix_fd
+from .procs import reap_child, wait_child
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "AlignmentError", "CudaError", "DmaBuf", "DmaBufError", "DmaBufInfo", "ExportedBuffer", "FdLimitError",
-    "FdPassError", "ForkedAfterInitError", "ImportedBuffer", "InvalidArgumentError", "NoDriverError",
-    "NotADmaBufError", "NotSupportedError", "OwnedFd", "PeerClosedError", "ProtocolError", "TimeoutError",
+    "AlignmentError", "CudaError", "CudaNotSupportedError", "DmaBuf", "DmaBufError", "DmaBufInfo",
+    "ExportedBuffer", "FdLimitError", "FdPassError", "ForkedAfterInitError", "ImportedBuffer",
+    "InvalidArgumentError", "MechanismName", "MemoryKind", "NoDriverError", "NotADmaBufError",
+    "NotSupportedError", "OwnedFd", "PeerClosedError", "ProtocolError", "ShareDescriptor", "SyscallError",
+    "Transaction", "WaitTimeoutError",
     "export_device", "export_host", "export_memfd", "export_posix_fd", "export_range", "export_shareable",
-    "get_mechanism", "import_dmabuf", "import_shared", "import_memfd", "import_posix_fd", "is_dmabuf", "reap_child", "recv_fd", "recv_message",
-    "send_fd", "send_message",
+    "get_mechanism", "import_dmabuf", "import_memfd", "import_posix_fd", "import_shared", "is_dmabuf",
+    "reap_child", "recv_fd", "recv_message", "send_fd", "send_message", "wait_child",
 ]

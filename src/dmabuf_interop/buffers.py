@@ -1,35 +1,34 @@
-"""The two shapes every mechanism returns: `ExportedBuffer` and `ImportedBuffer`.
+"""The shapes every mechanism returns, and how they are built.
 
-An export is never a bare fd: :class:`ExportedBuffer` carries the fd's owner,
-the caller's pointer and its offset inside the exported range, the sizes in
-bytes, the device (ordinal and UUID), the mechanism actually used and, when a
-faster one was not, why. :meth:`ExportedBuffer.describe` is the JSON-safe
-dict that travels next to the fd (:func:`~.fdpass.send_message`), and
-importers take that dict back.
+* :class:`Transaction` - multi-step construction: push each undo right after
+  its resource is acquired, then :meth:`~Transaction.commit` hands the undo
+  stack to the finished object; on failure the undos run in reverse and the
+  original error is re-raised (cuda.core's ``Transaction`` is the model).
+* :class:`Owner` - an object that owns resources released by a stack of
+  cleanups: explicit :meth:`~Owner.close`, a context manager, and a
+  ``weakref.finalize`` safety net.
+* :class:`ExportedBuffer` - memory shared by an exporter, with the fd that
+  names it and the :class:`~.descriptor.ShareDescriptor` that travels beside it.
+* :class:`ImportedBuffer` - an importer's mapping, handed to other libraries
+  through cuda.core's ``Buffer`` and DLPack (``torch.from_dlpack``,
+  ``cupy.from_dlpack``).
 
-An import is a mapping an importer can touch: :class:`ImportedBuffer` has the
-``CUdeviceptr`` (or host address for memfd), the size, and hands the memory to
-other libraries through cuda.core's ``Buffer`` and DLPack
-(``StridedMemoryView.__dlpack__``), so ``torch.from_dlpack`` and
-``cupy.from_dlpack`` accept it.
-
-Both own their resources: explicit :meth:`close`, context managers, and a
-``weakref.finalize`` safety net. Cleanups run in order; :meth:`close`
-raises the first failure after running all of them.
+Host (memfd) buffers subclass these in :mod:`.mechanisms.memfd` and own their
+mapping.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Sequence
 
+from ._checks import as_int
+from .descriptor import ShareDescriptor
 from .errors import InvalidArgumentError
 from .fd import OwnedFd
 
-__all__ = ["Owner", "ExportedBuffer", "ImportedBuffer", "MECHANISM_NAMES"]
-
-#: Names of the sharing mechanisms this library implements.
-MECHANISM_NAMES = ("dmabuf", "posix-fd", "memfd")
+__all__ = ["Transaction", "Owner", "ExportedBuffer", "ImportedBuffer", "array_shape"]
 
 Cleanup = Callable[[], None]
 
@@ -44,15 +43,52 @@ def _run_cleanups(cleanups: list[Cleanup], errors: list[BaseException] | None) -
                 errors.append(exc)
 
 
-class Owner:
-    """Base for objects that own resources released by a stack of cleanups.
+class Transaction:
+    """Undo steps for a construction of several steps.
 
-    Cleanups registered with :meth:`_push` run last-in first-out on
-    :meth:`close` or, as a safety net, when the object is collected.
+    ::
+
+        with Transaction() as tx:
+            handle = driver.vmm_create(device, size)
+            tx.push(driver.vmm_release, handle)
+            ...
+            return ExportedBuffer(..., cleanups=tx.commit())
+
+    Leaving the block by an exception runs every pushed undo in reverse order
+    (their own errors are dropped: the original error matters more) and lets
+    the exception propagate. After :meth:`commit` the block undoes nothing.
     """
 
     def __init__(self) -> None:
-        self._cleanups: list[Cleanup] = []
+        self._undo: list[Cleanup] = []
+
+    def push(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Register ``fn(*args)`` to undo the step just taken."""
+        self._undo.append(functools.partial(fn, *args) if args else fn)
+
+    def commit(self) -> list[Cleanup]:
+        """The undo stack, for the object that now owns the resources; the transaction is left empty."""
+        undo, self._undo = self._undo, []
+        return undo
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._undo:  # an exception, or a construction that never committed
+            _run_cleanups(self._undo, None)
+
+
+class Owner:
+    """Base for objects that own resources released by a stack of cleanups.
+
+    Cleanups run last-in first-out on :meth:`close` or, as a safety net, when
+    the object is collected. Any use after :meth:`close` raises
+    :class:`~.errors.InvalidArgumentError`.
+    """
+
+    def __init__(self, cleanups: Sequence[Cleanup] = ()) -> None:
+        self._cleanups: list[Cleanup] = list(cleanups)
         self._finalizer = weakref.finalize(self, _run_cleanups, self._cleanups, None)
 
     def _push(self, fn: Cleanup) -> None:
@@ -60,10 +96,15 @@ class Owner:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran (or the safety net did)."""
         return not self._finalizer.alive
 
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise InvalidArgumentError(f"{type(self).__name__} is closed")
+
     def close(self) -> None:
-        """Release everything this object owns, in reverse order of acquisition.
+        """Release everything this object owns, in reverse order of acquisition. Idempotent.
 
         Raises:
             CudaError: a driver call in the cleanup failed (all cleanups still ran).
@@ -76,11 +117,34 @@ class Owner:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "Owner":
+    def __enter__(self) -> Any:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def array_shape(nbytes: int, dtype: Any, shape: Sequence[int] | None) -> tuple[Any, tuple[int, ...], int]:
+    """``(numpy dtype, shape, bytes needed)`` of a C-contiguous view over ``nbytes`` bytes.
+
+    Raises:
+        InvalidArgumentError: a negative or non-integer extent, or a shape needing more than ``nbytes``.
+    """
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if shape is None:
+        shape = (nbytes // dt.itemsize,)
+    dims = tuple(as_int(s, "shape extent") for s in shape)
+    if any(s < 0 for s in dims):
+        raise InvalidArgumentError(f"shape {dims} has a negative extent")
+    need = dt.itemsize
+    for s in dims:
+        need *= s
+    if need > nbytes:
+        raise InvalidArgumentError(f"shape {dims} of {dt} needs {need} bytes; the buffer has {nbytes}")
+    return dt, dims, need
 
 
 class ExportedBuffer(Owner):
@@ -88,9 +152,8 @@ class ExportedBuffer(Owner):
 
     Attributes:
         mechanism: ``"dmabuf"``, ``"posix-fd"`` or ``"memfd"``.
-        memory: what backs it: ``"host"`` (``cuMemAllocHost``), ``"device"``
-            (``cuMemAlloc``), ``"vmm"`` (``cuMemCreate``), ``"range"`` (part of
-            a caller's allocation) or ``"memfd"``.
+        memory: what backs it (see :class:`~.kinds.MemoryKind`).
+        handle: the :class:`~.fd.OwnedFd` (a :class:`~.linux_dmabuf.DmaBuf` for dma-buf).
         ptr: address of the caller's first byte (``CUdeviceptr``, or host address).
         size: the caller's bytes.
         offset: where ``ptr`` lies inside the exported range (bytes).
@@ -101,12 +164,13 @@ class ExportedBuffer(Owner):
     """
 
     def __init__(self, *, mechanism: str, memory: str, handle: OwnedFd, ptr: int, size: int, offset: int,
-                 export_size: int, device: int, device_uuid: str = "", fallback: str | None = None) -> None:
-        super().__init__()
+                 export_size: int, device: int, device_uuid: str = "", fallback: str | None = None,
+                 cleanups: Sequence[Cleanup] = ()) -> None:
+        super().__init__(cleanups)
         self.mechanism = mechanism
         self.memory = memory
         self.handle = handle
-        self.ptr = ptr
+        self._ptr = ptr
         self.size = size
         self.offset = offset
         self.export_size = export_size
@@ -115,24 +179,29 @@ class ExportedBuffer(Owner):
         self.fallback = fallback
 
     @property
+    def ptr(self) -> int:
+        """Address of the caller's first byte. Raises InvalidArgumentError once closed."""
+        self._check_open()
+        return self._ptr
+
+    @property
     def fd(self) -> int:
         """The shareable fd (owned by :attr:`handle`; do not close it yourself)."""
+        self._check_open()
         return self.handle.fd
 
-    def describe(self) -> dict[str, Any]:
-        """JSON-safe metadata an importer needs next to the fd."""
-        return {
-            "mechanism": self.mechanism,
-            "memory": self.memory,
-            "size": self.size,
-            "offset": self.offset,
-            "export_size": self.export_size,
-            "device": self.device,
-            "device_uuid": self.device_uuid,
-            "fallback": self.fallback,
-        }
+    def describe(self) -> ShareDescriptor:
+        """The :class:`~.descriptor.ShareDescriptor` an importer needs next to the fd.
 
-    def send(self, sock: Any, stream: Any = None) -> None:
+        ``describe().to_json()`` has the keys ``mechanism``, ``memory``,
+        ``size``, ``offset``, ``export_size`` (bytes), ``exporter_device``
+        (this process's ordinal), ``device_uuid`` and ``fallback``.
+        """
+        return ShareDescriptor(mechanism=self.mechanism, memory=self.memory, size=self.size, offset=self.offset,
+                               export_size=self.export_size, exporter_device=self.device,
+                               device_uuid=self.device_uuid, fallback=self.fallback)
+
+    def send(self, sock: Any, stream: Any = None, timeout: float | None = None) -> None:
         """Make the producer's writes complete, then send the fd and :meth:`describe` to a peer.
 
         Synchronises first: ``stream.sync()`` when a ``cuda.core.Stream`` is
@@ -142,21 +211,24 @@ class ExportedBuffer(Owner):
         its fd and memory, so wait for the peer's ack before closing it.
 
         Raises:
-            PeerClosedError: the peer has gone. CudaError: the synchronisation failed.
+            PeerClosedError: the peer has gone.
+            WaitTimeoutError: the socket stayed full past ``timeout``.
+            CudaError: the synchronisation failed.
         """
-        from . import driver
+        from . import _driver as driver
         from .fdpass import send_message
 
+        fd = self.fd
         if stream is not None:
             stream.sync()
         elif self.device >= 0:
             driver.set_current(self.device)
             driver.synchronize()
-        send_message(sock, self.describe(), self.fd)
+        send_message(sock, self.describe().to_json(), fd, timeout=timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.handle._fd}"
-        return (f"<ExportedBuffer {self.mechanism}/{self.memory} {state} size={self.size} "
+        return (f"<{type(self).__name__} {self.mechanism}/{self.memory} {state} size={self.size} "
                 f"offset={self.offset} device={self.device}>")
 
 
@@ -170,20 +242,26 @@ class ImportedBuffer(Owner):
         device: the importing device's ordinal (``-1`` for memfd).
     """
 
-    def __init__(self, *, mechanism: str, ptr: int, size: int, device: int) -> None:
-        super().__init__()
+    def __init__(self, *, mechanism: str, ptr: int, size: int, device: int,
+                 cleanups: Sequence[Cleanup] = ()) -> None:
+        super().__init__(cleanups)
         self.mechanism = mechanism
-        self.ptr = ptr
+        self._ptr = ptr
         self.size = size
         self.device = device
 
+    @property
+    def ptr(self) -> int:
+        """Address of the caller's first byte. Raises InvalidArgumentError once closed."""
+        self._check_open()
+        return self._ptr
+
     def as_buffer(self) -> Any:
-        """A non-owning ``cuda.core.Buffer`` over the mapping; it keeps ``self`` alive."""
-        if self.closed:
-            raise ValueError("ImportedBuffer is closed")
-        if self.device < 0:
-            raise InvalidArgumentError("host shared memory (memfd) is not CUDA memory: use as_array() "
-                                       "for a NumPy view")
+        """A non-owning ``cuda.core.Buffer`` over the mapping; it keeps ``self`` alive.
+
+        Raises:
+            InvalidArgumentError: the buffer is closed.
+        """
         from cuda.core import Buffer
 
         return Buffer.from_handle(self.ptr, self.size, owner=self)
@@ -196,30 +274,18 @@ class ImportedBuffer(Owner):
             shape: element counts; default: as many elements as fit in :attr:`size`.
 
         Returns:
-            a ``cuda.core.utils.StridedMemoryView`` (DLPack producer) over the
-            mapping; for memfd (host memory), a NumPy array over it (also a
-            DLPack producer, on the CPU).
+            a ``cuda.core.utils.StridedMemoryView`` (DLPack producer) over the mapping.
 
         Raises:
-            InvalidArgumentError: the shape needs more than :attr:`size` bytes.
+            InvalidArgumentError: the buffer is closed, a negative extent, or the shape
+                needs more than :attr:`size` bytes.
         """
-        import numpy as np
-
-        dt = np.dtype(dtype)
-        if shape is None:
-            shape = (self.size // dt.itemsize,)
-        shape = tuple(int(s) for s in shape)
-        need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if need > self.size or any(s < 0 for s in shape):
-            raise InvalidArgumentError(f"shape {shape} of {dt} needs {need} bytes; the mapping has {self.size}")
-        if self.device < 0:
-            from .memfd import host_array
-
-            return host_array(self, dt)[: need // dt.itemsize].reshape(shape)
         from cuda.core.utils import StridedMemoryView
 
-        return StridedMemoryView.from_buffer(self.as_buffer(), shape, dtype=dt)
+        self._check_open()
+        dt, dims, _need = array_shape(self.size, dtype, shape)
+        return StridedMemoryView.from_buffer(self.as_buffer(), dims, dtype=dt)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"ptr=0x{self.ptr:x}"
-        return f"<ImportedBuffer {self.mechanism} {state} size={self.size} device={self.device}>"
+        state = "closed" if self.closed else f"ptr=0x{self._ptr:x}"
+        return f"<{type(self).__name__} {self.mechanism} {state} size={self.size} device={self.device}>"

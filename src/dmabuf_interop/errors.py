@@ -2,30 +2,39 @@
 
 Callers branch on meaning, not on strings::
 
-    DmaBufError                      anything this library raises on purpose
-    ├── CudaError                    a driver call failed (names the call and the CUresult)
-    │   ├── NotSupportedError        the capability is absent: skip, do not crash
-    │   │   └── NoDriverError        no CUDA driver (libcuda.so.1) on this machine
-    │   └── ForkedAfterInitError     CUDA was initialised before this process was forked
-    ├── InvalidArgumentError         bad input caught in user space before any driver call
-    │   ├── NotADmaBufError          the fd is not a dma-buf (or not an open fd at all)
-    │   └── AlignmentError           a base or size breaks the page-alignment rule
-    ├── SyscallError                 a system call failed (names the call and the errno)
-    ├── FdPassError                  SCM_RIGHTS transport went wrong
-    │   ├── PeerClosedError          the peer closed its end (EOF)
-    │   ├── ProtocolError            a malformed message: no fd, too many fds, bad framing
-    │   └── FdLimitError             fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
-    └── TimeoutError                 a wait ran past its deadline (also a builtin TimeoutError)
+    DmaBufError                        anything this library raises on purpose
+    ├── NotSupportedError              a capability is absent: skip with str(error) as the reason
+    ├── CudaError                      a driver call failed (names the call and the CUresult)
+    │   ├── CudaNotSupportedError      ... and the failure means "not supported here"
+    │   │   │                          (also a NotSupportedError)
+    │   │   └── NoDriverError          no usable CUDA driver, bindings or visible GPU
+    │   └── ForkedAfterInitError       CUDA was initialised before this process was forked
+    ├── InvalidArgumentError           bad input caught in user space before any driver call
+    │   ├── NotADmaBufError            the fd is not a dma-buf (or not an open fd at all)
+    │   └── AlignmentError             a base or size breaks the page-alignment rule
+    ├── SyscallError                   a system call failed (names the call and the errno)
+    ├── FdPassError                    SCM_RIGHTS transport went wrong
+    │   ├── PeerClosedError            the peer closed its end (EOF)
+    │   └── ProtocolError              a malformed message: no fd, too many fds, bad framing, bad field
+    │       └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
+    └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
+
+Every error pickles with its class, message and attributes, so it crosses a
+``multiprocessing`` or ``concurrent.futures`` process boundary intact.
 """
 
 from __future__ import annotations
 
 import builtins
+import errno as _errno
+import os
+from typing import Any
 
 __all__ = [
     "DmaBufError",
-    "CudaError",
     "NotSupportedError",
+    "CudaError",
+    "CudaNotSupportedError",
     "NoDriverError",
     "ForkedAfterInitError",
     "InvalidArgumentError",
@@ -36,12 +45,22 @@ __all__ = [
     "PeerClosedError",
     "ProtocolError",
     "FdLimitError",
-    "TimeoutError",
+    "WaitTimeoutError",
 ]
 
 
 class DmaBufError(Exception):
     """Base class of every error this library raises on purpose."""
+
+
+class NotSupportedError(DmaBufError):
+    """The driver, device, kernel or peer does not offer this capability.
+
+    Treat it as a clean skip with ``str(error)`` as the reason. Raised on its
+    own for absent capabilities that no ``CUresult`` names (no peer access, no
+    usable mechanism, an ioctl the kernel lacks); a driver's refusal is a
+    :class:`CudaNotSupportedError`, which is both this and a :class:`CudaError`.
+    """
 
 
 class CudaError(DmaBufError):
@@ -51,6 +70,7 @@ class CudaError(DmaBufError):
         call: the driver function, e.g. ``"cuImportExternalMemory"``.
         result: the ``CUresult`` name, e.g. ``"CUDA_ERROR_NOT_SUPPORTED"``.
         code: the numeric ``CUresult`` (``-1`` where there is none, e.g. no driver).
+        detail: a short explanation, or ``""``.
     """
 
     def __init__(self, call: str, result: str, code: int = -1, detail: str = "") -> None:
@@ -63,17 +83,29 @@ class CudaError(DmaBufError):
             text += f" ({detail})"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.call, self.result, self.code, self.detail)
 
-class NotSupportedError(CudaError):
-    """The driver, device or kernel does not offer this capability.
 
-    Raised for ``CUDA_ERROR_NOT_SUPPORTED`` and for a capability attribute
-    that reads 0. Treat it as a clean skip with ``str(error)`` as the reason.
+class CudaNotSupportedError(CudaError, NotSupportedError):
+    """A driver call answered that the capability is absent (``CUDA_ERROR_NOT_SUPPORTED``,
+    or an attribute that reads 0 for the call that needs it)."""
+
+
+class NoDriverError(CudaNotSupportedError):
+    """No usable CUDA: no driver, no bindings, no visible GPU, or a driver too old.
+
+    Attributes:
+        reason: one of ``"no-driver"``, ``"no-bindings"``, ``"no-device"``,
+            ``"old-driver"`` (what :func:`~dmabuf_interop.capabilities.driver_status` reports).
     """
 
+    def __init__(self, call: str, result: str, code: int = -1, detail: str = "", reason: str = "no-driver") -> None:
+        self.reason = reason
+        super().__init__(call, result, code, detail)
 
-class NoDriverError(NotSupportedError):
-    """No usable CUDA driver: ``libcuda.so.1`` cannot be loaded, or no device."""
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.call, self.result, self.code, self.detail, self.reason)
 
 
 class ForkedAfterInitError(CudaError):
@@ -100,20 +132,38 @@ class AlignmentError(InvalidArgumentError):
 class SyscallError(DmaBufError, OSError):
     """A system call failed; ``str()`` names the call and the errno name.
 
+    Args:
+        call: the system call, e.g. ``"ftruncate"``.
+        exc: the ``OSError`` it raised, or the bare ``errno`` number.
+
     Attributes:
-        call: e.g. ``"ftruncate"``. errno: the ``errno`` value (``None`` if none).
+        call: as given. errno: the ``errno`` value (``None`` if none).
+        strerror: the C library's text for it.
     """
 
-    def __init__(self, call: str, exc: BaseException) -> None:
-        import errno as _errno
-
-        code = getattr(exc, "errno", None)
-        name = _errno.errorcode.get(code, type(exc).__name__) if code is not None else type(exc).__name__
+    def __init__(self, call: str, exc: BaseException | int | None) -> None:
+        if isinstance(exc, int) or exc is None:
+            code, text, kind = exc, (os.strerror(exc) if exc is not None else ""), ""
+        else:
+            code = getattr(exc, "errno", None)
+            text, kind = getattr(exc, "strerror", None) or str(exc), type(exc).__name__
+        name = (_errno.errorcode.get(code, "") if code is not None else "") or kind
+        super().__init__(code, text)
         self.call = call
-        super().__init__(code, f"{call} -> {name} ({getattr(exc, 'strerror', None) or exc})")
+        self._message = f"{call} -> {name} ({text})" if name else f"{call} ({text})"
 
     def __str__(self) -> str:
-        return str(self.args[1])
+        return self._message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_syscall_error, (type(self), self.call, self.errno, self.strerror, self._message)
+
+
+def _rebuild_syscall_error(cls: type[SyscallError], call: str, code: int | None, text: str,
+                           message: str) -> SyscallError:
+    err = cls(call, code)
+    err.strerror, err._message = text, message
+    return err
 
 
 class FdPassError(DmaBufError):
@@ -125,12 +175,12 @@ class PeerClosedError(FdPassError, ConnectionError):
 
 
 class ProtocolError(FdPassError):
-    """A message broke the framing: no fd, too many fds, truncated or malformed."""
+    """A message broke the protocol: no fd, too many fds, bad framing, a field of the wrong type or range."""
 
 
 class FdLimitError(ProtocolError):
     """The kernel dropped passed fds because the receiver hit ``RLIMIT_NOFILE``."""
 
 
-class TimeoutError(DmaBufError, builtins.TimeoutError):  # noqa: A001 - deliberate
-    """A wait (socket receive, child exit, probe) ran past its deadline."""
+class WaitTimeoutError(DmaBufError, builtins.TimeoutError):
+    """A wait (socket receive or send, child exit, probe, lease) ran past its deadline."""

@@ -13,9 +13,10 @@ import os
 import weakref
 from typing import TypeVar
 
+from ._checks import fd_number
 from .errors import InvalidArgumentError
 
-__all__ = ["OwnedFd", "fd_is_open", "open_fds"]
+__all__ = ["OwnedFd", "fd_is_open", "open_fds", "is_memfd"]
 
 T = TypeVar("T", bound="OwnedFd")
 
@@ -40,6 +41,14 @@ def fd_is_open(fd: int) -> bool:
     return True
 
 
+def is_memfd(fd: int) -> bool:
+    """True when ``fd`` is an open memfd (its ``/proc/self/fd`` link reads ``/memfd:...``). Never raises."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except (OSError, TypeError):
+        return False
+
+
 def open_fds() -> list[int]:
     """The open fds of this process, from ``/proc/self/fd`` (for leak checks)."""
     out = []
@@ -61,10 +70,7 @@ class OwnedFd:
     """
 
     def __init__(self, fd: int) -> None:
-        if not isinstance(fd, int) or isinstance(fd, bool):
-            raise InvalidArgumentError(f"fd must be an int, got {type(fd).__name__}")
-        if fd < 0:
-            raise InvalidArgumentError(f"fd {fd} is not a valid file descriptor (negative)")
+        fd_number(fd)
         if not fd_is_open(fd):
             raise InvalidArgumentError(f"fd {fd} is not open in this process")
         self._fd = fd

@@ -10,7 +10,7 @@ Nothing is ever unpickled from a peer. :func:`send_token` /
 :func:`recv_token` move single bytes ("go", "ack"), as the CUDA sample does.
 
 Every receive takes a ``timeout`` (seconds, ``None`` waits forever) and
-raises :class:`~.errors.TimeoutError` past it, :class:`~.errors.PeerClosedError`
+raises :class:`~.errors.WaitTimeoutError` past it, :class:`~.errors.PeerClosedError`
 on EOF and :class:`~.errors.ProtocolError` for a malformed message. Received
 fds are close-on-exec (``MSG_CMSG_CLOEXEC``); when a message is rejected every
 fd that did arrive is closed first, so nothing leaks.
@@ -24,15 +24,13 @@ import json
 import os
 import resource
 import select
-import signal
 import socket
 import struct
-import sys
 import time
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
-from .errors import FdLimitError, InvalidArgumentError, PeerClosedError, ProtocolError, TimeoutError
+from ._time import deadline_after as _deadline
+from .errors import FdLimitError, InvalidArgumentError, PeerClosedError, ProtocolError, WaitTimeoutError
 
 __all__ = [
     "MAX_MESSAGE",
@@ -45,9 +43,6 @@ __all__ = [
     "close_fds",
     "send_token",
     "recv_token",
-    "ChildExit",
-    "wait_child",
-    "reap_child",
 ]
 
 #: Largest JSON body accepted, in bytes.
@@ -80,22 +75,12 @@ def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> No
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"timed out waiting for {what}")
+                raise WaitTimeoutError(f"timed out waiting for {what}")
             # Compare as floats first: int() of an infinite or huge timeout overflows poll().
             timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))
         if poller.poll(timeout_ms):  # PEP 475: EINTR is retried for us
             return
         # Empty: a slice of a long wait ended, or rounding woke us early; the deadline decides.
-
-
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
-    if not timeout >= 0:  # also refuses NaN, which would never expire
-        raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
-    return time.monotonic() + timeout
 
 
 def encode_message(obj: dict[str, Any]) -> bytes:
@@ -137,31 +122,64 @@ def decode_message(frame: bytes) -> dict[str, Any]:
     return obj
 
 
-def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None) -> None:
-    """Send one framed JSON message, with ``fd`` attached when given.
+def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while True:
+        if deadline is None:
+            timeout_ms = -1
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeoutError("timed out sending a message: the peer is not reading (socket buffer full)")
+            timeout_ms = _MAX_POLL_MS if left * 1000 >= _MAX_POLL_MS else max(1, int(left * 1000))
+        if poller.poll(timeout_ms):
+            return
+
+
+def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None, *,
+                 timeout: float | None = None) -> None:
+    """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
 
     The sender keeps its own fd: the kernel installs a new descriptor for the
     same open file in the receiver (the caller may close its copy afterwards).
+    Sends are non-blocking (``MSG_DONTWAIT``) between ``poll(POLLOUT)`` waits,
+    so a peer that stops reading cannot hold the sender past ``timeout``.
+
+    Args:
+        timeout: seconds the whole message may take to leave; ``None`` waits forever.
 
     Raises:
         InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
         PeerClosedError: the peer has closed its end (EPIPE / ECONNRESET).
+        WaitTimeoutError: the socket stayed full past ``timeout``; the fd was not sent
+            if no byte of the message was.
     """
     _check_unix(sock)
     data = encode_message(obj)
+    deadline = _deadline(timeout)
+    if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
+        raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+    view = memoryview(data)
+    pending_fd = fd
     try:
-        if fd is None:
-            sock.sendall(data)
-        else:
-            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
-                raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
-            sent = socket.send_fds(sock, [data], [fd])
-            if sent < len(data):
-                sock.sendall(data[sent:])
+        while view:
+            _wait_writable(sock, deadline)
+            try:
+                if pending_fd is not None:
+                    rights = array.array("i", [pending_fd])
+                    sent = sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
+                                       socket.MSG_DONTWAIT)
+                    pending_fd = None
+                else:
+                    sent = sock.send(view, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            view = view[sent:]
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
     except OSError as exc:
-        if fd is not None and exc.errno == 9:  # EBADF
+        if fd is not None and exc.errno == errno.EBADF:
             raise InvalidArgumentError(f"fd {fd} is not open: {exc}") from exc
         raise
 
@@ -215,7 +233,7 @@ def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: 
 
     Raises:
         PeerClosedError: EOF before the first byte, or in the middle.
-        TimeoutError: nothing (or not all of it) within ``timeout``.
+        WaitTimeoutError: nothing (or not all of it) within ``timeout``.
         FdLimitError: the kernel dropped fds at the receiver's ``RLIMIT_NOFILE``.
         ProtocolError: a truncated control message (``MSG_CTRUNC``), more fds
             than ``max_fds``, or bad framing. Every fd that arrived is closed.
@@ -288,7 +306,7 @@ def recv_fd(sock: socket.socket, timeout: float | None = None) -> int:
 
     Raises:
         ProtocolError: the message carried no fd, or more than one (all closed).
-        PeerClosedError, TimeoutError, FdLimitError: see :func:`recv_message`.
+        PeerClosedError, WaitTimeoutError, FdLimitError: see :func:`recv_message`.
     """
     _msg, fds = recv_message(sock, timeout, max_fds=1)
     if len(fds) != 1:
@@ -321,77 +339,3 @@ def recv_token(sock: socket.socket, timeout: float | None = None) -> bytes:
     if not data:
         raise PeerClosedError("peer closed the socket")
     return data
-
-
-@dataclass(frozen=True)
-class ChildExit:
-    """How a child process ended.
-
-    Attributes:
-        pid: the child's pid.
-        exitcode: its exit status, or ``None`` when a signal killed it.
-        signal: the signal number that killed it, or ``None``.
-    """
-
-    pid: int
-    exitcode: int | None
-    signal: int | None
-
-    @property
-    def ok(self) -> bool:
-        """True only for a normal exit with status 0."""
-        return self.exitcode == 0
-
-    def describe(self) -> str:
-        if self.signal is not None:
-            try:
-                name = signal.Signals(self.signal).name
-            except ValueError:
-                name = f"signal {self.signal}"
-            return f"child {self.pid} was killed by {name}"
-        return f"child {self.pid} exited with status {self.exitcode}"
-
-
-def wait_child(pid: int, timeout: float | None = None, *, kill_after: bool = True) -> ChildExit:
-    """``waitpid`` for ``pid``, with a deadline.
-
-    Past ``timeout`` the child is sent SIGKILL (when ``kill_after``) and reaped,
-    so no zombie or orphan is left; the result then reports SIGKILL.
-
-    Raises:
-        TimeoutError: the child outlived ``timeout`` and ``kill_after`` is False.
-        ChildProcessError: ``pid`` is not our child.
-    """
-    deadline = _deadline(timeout)
-    delay = 0.001
-    while True:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got == pid:
-            if os.WIFSIGNALED(status):
-                return ChildExit(pid, None, os.WTERMSIG(status))
-            return ChildExit(pid, os.waitstatus_to_exitcode(status), None)
-        if deadline is not None and time.monotonic() >= deadline:
-            if not kill_after:
-                raise TimeoutError(f"child {pid} still running after {timeout} s")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _, status = os.waitpid(pid, 0)
-            if os.WIFSIGNALED(status):
-                return ChildExit(pid, None, os.WTERMSIG(status))
-            return ChildExit(pid, os.waitstatus_to_exitcode(status), None)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def reap_child(pid: int, timeout: float | None = None, report: TextIO | None = sys.stderr) -> bool:
-    """Reap ``pid``; True only for exit status 0.
-
-    Otherwise writes what happened (the signal or the status) to ``report``
-    (``None`` to stay silent) and returns False.
-    """
-    result = wait_child(pid, timeout)
-    if not result.ok and report is not None:
-        print(result.describe(), file=report, flush=True)
-    return result.ok

@@ -18,10 +18,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import driver
+from . import _driver as driver
 from .errors import InvalidArgumentError
 
-__all__ = ["SOURCE", "PATTERN_BASE", "cache_dir", "write_pattern", "count_mismatches"]
+__all__ = ["SOURCE", "PATTERN_BASE", "cache_dir", "compile_source", "write_pattern", "count_mismatches"]
 
 #: The sample's pattern: element ``i`` holds ``0x1000 + i``.
 PATTERN_BASE = 0x1000
@@ -56,27 +56,40 @@ def cache_dir() -> Path:
     return Path(base) / "dmabuf-interop" / "nvrtc"
 
 
+def compile_source(source: str, name: str, device: int) -> Any:
+    """Compile CUDA C++ ``source`` with NVRTC to a cubin for ``device``'s architecture.
+
+    Through cuda.core's ``Program`` (``ProgramOptions(arch="sm_XY", name=name)``),
+    cached on disk in :func:`cache_dir` with ``FileStreamProgramCache``; an
+    unwritable cache directory means compiling every time.
+
+    Returns:
+        the ``cuda.core.ObjectCode``; ``.get_kernel(name)`` gives a launchable kernel.
+
+    Raises:
+        NoDriverError: no CUDA driver. CudaError: NVRTC or the module load failed.
+    """
+    from cuda.core import Program, ProgramOptions
+
+    dev = driver.set_current(device)
+    program = Program(source, code_type="c++", options=ProgramOptions(arch=f"sm_{dev.arch}", name=name))
+    try:
+        from cuda.core.utils import FileStreamProgramCache
+
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        cache = FileStreamProgramCache(cache_dir())
+    except OSError:  # unwritable home: compile every time
+        return program.compile("cubin")
+    return program.compile("cubin", cache=cache)
+
+
 def _kernels(device: int) -> tuple[Any, Any]:
     key = (os.getpid(), device)
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        from cuda.core import Program, ProgramOptions
-
-        dev = driver.set_current(device)
-        options = ProgramOptions(arch=f"sm_{dev.arch}", name="dmabuf_interop_pattern")
-        program = Program(SOURCE, code_type="c++", options=options)
-        try:
-            from cuda.core.utils import FileStreamProgramCache
-
-            cache_dir().mkdir(parents=True, exist_ok=True)
-            cache = FileStreamProgramCache(cache_dir())
-        except OSError:  # unwritable home: compile every time
-            cache = None
-        code = program.compile("cubin", cache=cache) if cache is not None else program.compile("cubin")
-        pair = (code.get_kernel("write_pattern"), code.get_kernel("verify_pattern"))
-        _loaded[key] = pair
-        return pair
+        if key not in _loaded:
+            code = compile_source(SOURCE, "dmabuf_interop_pattern", device)
+            _loaded[key] = (code.get_kernel("write_pattern"), code.get_kernel("verify_pattern"))
+        return _loaded[key]
 
 
 def _launch(device: int, kernel: Any, n: int, *args: Any, stream: Any = None) -> Any:
@@ -98,12 +111,21 @@ def _count(nbytes: int) -> int:
 
 def write_pattern(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BASE, stream: Any = None,
                   sync: bool = True) -> None:
-    """Launch ``write_pattern`` over ``nbytes // 4`` int32 at ``ptr`` on ``device``.
+    """Launch ``write_pattern``: element ``i`` of the ``nbytes // 4`` int32 at ``ptr`` becomes ``base + i``.
 
     Args:
+        ptr: ``CUdeviceptr`` of the first element, 4-byte aligned, mapped on ``device``.
+        nbytes: bytes to write: a positive multiple of 4.
+        device: CUDA ordinal whose primary context launches the kernel.
+        base: the pattern's first value (the sample's ``0x1000``).
         stream: a ``cuda.core.Stream``; default the device's default stream.
         sync: synchronise the stream before returning (so an fd may be sent
             right away); with ``sync=False`` the caller must order later work.
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` is not a positive multiple of 4.
+        CudaError: compiling (NVRTC), loading or launching failed.
+        NoDriverError: no CUDA driver.
     """
     import numpy as np
 
@@ -115,9 +137,26 @@ def write_pattern(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BA
 
 
 def count_mismatches(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BASE, stream: Any = None) -> int:
-    """Launch ``verify_pattern`` and return how many int32 differ from ``base + i``.
+    """Launch ``verify_pattern`` and return how many of the ``nbytes // 4`` int32 at ``ptr`` differ
+    from ``base + i``.
 
-    Synchronous: waits for the kernel and copies the counter back.
+    Synchronous: waits for the kernel and copies the 8-byte counter back
+    (``cuMemAlloc``, ``cuMemsetD8``, ``cuMemcpyDtoH``).
+
+    Args:
+        ptr: ``CUdeviceptr`` of the first element, 4-byte aligned, mapped on ``device``.
+        nbytes: bytes to check: a positive multiple of 4.
+        device: CUDA ordinal that runs the kernel.
+        base: the expected pattern's first value.
+        stream: a ``cuda.core.Stream``; default the device's default stream.
+
+    Returns:
+        the number of mismatching elements (0 when the pattern is intact).
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` is not a positive multiple of 4.
+        CudaError: compiling, launching or the copy failed.
+        NoDriverError: no CUDA driver.
     """
     import numpy as np
 

@@ -20,10 +20,11 @@ import errno
 import fcntl
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 
-from .errors import InvalidArgumentError, NotADmaBufError, NotSupportedError
-from .fd import OwnedFd, fd_is_open
+from .errors import InvalidArgumentError, NotADmaBufError, NotSupportedError, SyscallError
+from .fd import OwnedFd, _close, fd_is_open
 
 __all__ = ["DmaBuf", "DmaBufInfo", "is_dmabuf", "dmabuf_info", "DMA_BUF_NAME_LEN"]
 
@@ -135,6 +136,17 @@ class DmaBuf(OwnedFd):
         super().__init__(fd)
         self._size = dmabuf_info(fd).size if size is None else int(size)
 
+    @classmethod
+    def _from_driver(cls, fd: int, size: int) -> "DmaBuf":
+        """Own an fd that ``cuMemGetHandleForAddressRange`` has just returned: it is a dma-buf of
+        ``size`` bytes by the driver's contract, so the ``/proc`` checks are skipped (they cost
+        more than the rest of the export's Python)."""
+        self = object.__new__(cls)
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, _close, fd)
+        self._size = size
+        return self
+
     @property
     def size(self) -> int:
         """Size in bytes."""
@@ -153,13 +165,16 @@ class DmaBuf(OwnedFd):
 
         Raises:
             InvalidArgumentError: the name is too long or contains NUL.
-            OSError: the ioctl failed (errno from the kernel).
+            SyscallError: the ioctl failed (errno from the kernel).
         """
         raw = name.encode()
         if b"\0" in raw or len(raw) >= DMA_BUF_NAME_LEN:
             raise InvalidArgumentError(
                 f"dma-buf name must be at most {DMA_BUF_NAME_LEN - 1} bytes without NUL, got {len(raw)}")
-        fcntl.ioctl(self.fd, DMA_BUF_SET_NAME, raw + b"\0")
+        try:
+            fcntl.ioctl(self.fd, DMA_BUF_SET_NAME, raw + b"\0")
+        except OSError as exc:
+            raise SyscallError("ioctl(DMA_BUF_SET_NAME)", exc) from exc
 
     def export_sync_file(self, write: bool = False) -> OwnedFd:
         """``DMA_BUF_IOCTL_EXPORT_SYNC_FILE``: a sync_file fd for the buffer's fences.
@@ -173,7 +188,7 @@ class DmaBuf(OwnedFd):
 
         Raises:
             NotSupportedError: the kernel lacks the ioctl (before Linux 6.0).
-            OSError: any other ioctl failure.
+            SyscallError: any other ioctl failure.
         """
         flags = DMA_BUF_SYNC_WRITE if write else DMA_BUF_SYNC_READ
         arg = bytearray(struct.pack("Ii", flags, -1))
@@ -181,9 +196,9 @@ class DmaBuf(OwnedFd):
             fcntl.ioctl(self.fd, DMA_BUF_IOCTL_EXPORT_SYNC_FILE, arg, True)
         except OSError as exc:
             if exc.errno in (errno.ENOTTY, errno.EINVAL):
-                raise NotSupportedError("ioctl(DMA_BUF_IOCTL_EXPORT_SYNC_FILE)", errno.errorcode[exc.errno],
-                                        exc.errno, "kernel older than 6.0?") from exc
-            raise
+                raise NotSupportedError(f"ioctl(DMA_BUF_IOCTL_EXPORT_SYNC_FILE) -> {errno.errorcode[exc.errno]}: "
+                                        f"this kernel cannot export a dma-buf's fences (needs Linux 6.0)") from exc
+            raise SyscallError("ioctl(DMA_BUF_IOCTL_EXPORT_SYNC_FILE)", exc) from exc
         _, sync_fd = struct.unpack("Ii", bytes(arg))
         return OwnedFd(sync_fd)
 
@@ -191,10 +206,16 @@ class DmaBuf(OwnedFd):
         """``DMA_BUF_IOCTL_SYNC`` around CPU access to an mmap of the buffer.
 
         Call with ``start=True`` before and ``start=False`` after the access.
+
+        Raises:
+            SyscallError: the ioctl failed (errno from the kernel).
         """
         flags = (DMA_BUF_SYNC_START if start else DMA_BUF_SYNC_END)
         flags |= (DMA_BUF_SYNC_READ if read else 0) | (DMA_BUF_SYNC_WRITE if write else 0)
-        fcntl.ioctl(self.fd, DMA_BUF_IOCTL_SYNC, struct.pack("Q", flags))
+        try:
+            fcntl.ioctl(self.fd, DMA_BUF_IOCTL_SYNC, struct.pack("Q", flags))
+        except OSError as exc:
+            raise SyscallError("ioctl(DMA_BUF_IOCTL_SYNC)", exc) from exc
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._fd}"

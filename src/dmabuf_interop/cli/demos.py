@@ -35,18 +35,44 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TextIO
 
-from . import capabilities, driver
-from .errors import DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError
-from .errors import TimeoutError as DmaTimeoutError
-from .fd import OwnedFd
-from .fdpass import close_fds, recv_message, recv_token, send_message, send_token, wait_child
-from .mechanisms import Mechanism, get_mechanism
+from .. import capabilities
+from ..descriptor import ShareDescriptor
+from ..errors import (DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError,
+                      WaitTimeoutError)
+from ..fd import OwnedFd
+from ..fdpass import close_fds, recv_message, recv_token, send_message, send_token
+from ..mechanisms import Mechanism, get_mechanism
+from ..mechanisms.probes import probe_device
+from ..procs import wait_child
+from ._faults import fault
 
 __all__ = ["Outcome", "DemoOptions", "run_demos"]
 
 GO, ACK = b"G", b"A"
-#: Fault injection for tests of dying peers: set in the environment of a run.
-FAULT_ENV = "DMABUF_INTEROP_FAULT"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How the demos name one mechanism's things (all demo wording lives in this module)."""
+
+    fd_label: str       #: how an fd is named: "exported as <fd_label> 45"
+    import_line: str    #: what the importer prints once the memory is mapped
+    no_pair: str        #: the cross-GPU skip line
+
+
+WORDING = {
+    "dmabuf": Wording("dma-buf fd", "imported dma-buf as device pointer",
+                      "no GPU pair satisfies the dma-buf capability attributes. Skipping."),
+    "posix-fd": Wording("POSIX fd", "imported POSIX-fd handle as device pointer",
+                        "no GPU pair supports POSIX-fd handles with peer access. Skipping."),
+    "memfd": Wording("host shared memory (memfd) fd", "mapped host shared memory (memfd) into this process",
+                     "host shared memory involves no GPU. Skipping."),
+}
+
+
+def _gate_line(device: int, attribute: str) -> str:
+    """The CUDA sample's skip line, word for word."""
+    return f"Device {device} does not report CU_DEVICE_ATTRIBUTE_{attribute}. Skipping sample."
 
 
 class Outcome(Enum):
@@ -93,13 +119,12 @@ def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, s
         recv_token(sock, None)
     except PeerClosedError:
         return 0  # the parent skipped this demo
-    fault = os.environ.get(FAULT_ENV, "")
     where = ""
     device = opts.device
     if demo == 3:
         pair = mech.pair()
         if pair is None:
-            send_message(sock, {"status": "skip", "reason": mech.no_pair_reason()})
+            send_message(sock, {"status": "skip", "reason": WORDING[mech.name].no_pair})
             return 0
         device = pair[0]
         where = f"on device {device}, "
@@ -114,22 +139,17 @@ def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, s
         send_message(sock, {"status": "error", "reason": str(exc)})
         return 1
     with exported:
-        say(f"  child:  {where}allocated {opts.size} bytes, exported as {mech.fd_label} {exported.fd}")
+        say(f"  child:  {where}allocated {opts.size} bytes, exported as {WORDING[mech.name].fd_label} {exported.fd}")
         mech.write_pattern(exported)
         say("  child:  wrote pattern")
-        if fault == "child-sigkill-before-send":
-            os.kill(os.getpid(), 9)
-        if fault == "child-hang-before-send":
-            import time
-
-            time.sleep(3600)
+        fault("before-send")
         say("  child:  sent fd to parent")
-        exported.send(sock)  # synchronises the device, then SCM_RIGHTS + metadata
-        if fault == "child-exit-before-ack":
+        exported.send(sock, timeout=opts.timeout)  # synchronises the device, then SCM_RIGHTS + descriptor
+        if fault("before-ack"):
             return 0
         try:
             recv_token(sock, opts.timeout)  # ack: the parent is done with the memory
-        except (PeerClosedError, DmaTimeoutError):
+        except (PeerClosedError, WaitTimeoutError):
             pass  # parent gone or silent: free the memory anyway
     return 0
 
@@ -176,16 +196,16 @@ def _same_process(mech: Mechanism, opts: DemoOptions, say: _Printer) -> tuple[Ou
         say(f"  producer: export failed: {exc}")
         return Outcome.FAILED, str(exc)
     with exported:
-        say(f"  producer: allocated {opts.size} bytes, exported as {mech.fd_label} {exported.fd}")
+        say(f"  producer: allocated {opts.size} bytes, exported as {WORDING[mech.name].fd_label} {exported.fd}")
         mech.write_pattern(exported)
         say("  producer: wrote pattern")
         return _consume(mech, exported.fd, exported.describe(), opts.device, "consumer", say)
 
 
-def _consume(mech: Mechanism, fd: int, meta: dict[str, Any], device: int, who: str,
+def _consume(mech: Mechanism, fd: int, desc: ShareDescriptor, device: int, who: str,
              say: _Printer) -> tuple[Outcome, str]:
     try:
-        imported = mech.import_(fd, meta, device)
+        imported = mech.import_(fd, desc, device)
     except NotSupportedError as exc:
         say(f"  {who}: import not supported: {exc}. Skipping.")
         return Outcome.SKIPPED, str(exc)
@@ -193,7 +213,7 @@ def _consume(mech: Mechanism, fd: int, meta: dict[str, Any], device: int, who: s
         say(f"  {who}: import failed: {exc}")
         return Outcome.FAILED, str(exc)
     with imported:
-        say(f"  {who}: {mech.import_line}")
+        say(f"  {who}: {WORDING[mech.name].import_line}")
         try:
             n = mech.count_mismatches(imported)
         except DmaBufError as exc:
@@ -216,7 +236,7 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
         ended = wait_child(pid, opts.timeout)
         say(f"  parent: child closed the socket before sending the fd ({ended.describe()})")
         return Outcome.FAILED, ended.describe()
-    except DmaTimeoutError:
+    except WaitTimeoutError:
         sock.close()
         ended = wait_child(pid, 0)
         say(f"  parent: timed out after {opts.timeout:g} s waiting for the child's fd ({ended.describe()})")
@@ -232,13 +252,19 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
         sock.close()
         ended = wait_child(pid, opts.timeout)
         if status == "skip":
-            if msg.get("reason") == mech.no_pair_reason():
-                say(f"  {mech.no_pair_reason()}")
+            if msg.get("reason") == WORDING[mech.name].no_pair:
+                say(f"  {WORDING[mech.name].no_pair}")
             return Outcome.SKIPPED, str(msg.get("reason", ""))
         return Outcome.FAILED, str(msg.get("reason", ended.describe()))
     with OwnedFd(fds[0]) as received:
-        say(f"  parent: {where}received {mech.fd_label} {received.fd} from child")
-        outcome, reason = _consume(mech, received.fd, msg, device, "parent", say)
+        say(f"  parent: {where}received {WORDING[mech.name].fd_label} {received.fd} from child")
+        try:
+            desc = ShareDescriptor.from_json(msg)
+        except DmaBufError as exc:
+            say(f"  parent: bad descriptor from child: {exc}")
+            outcome, reason = Outcome.FAILED, str(exc)
+        else:
+            outcome, reason = _consume(mech, received.fd, desc, device, "parent", say)
     try:
         send_token(sock, ACK)
     except PeerClosedError:
@@ -254,7 +280,7 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
 def _hint(mech: Mechanism, device: int) -> str:
     """Name a mechanism the probes say works on this machine."""
     try:
-        probes = capabilities.probe_device(device)
+        probes = probe_device(device)
     except DmaBufError:
         return "Hint: --mechanism memfd runs the demos over host shared memory"
     if mech.name == "dmabuf" and getattr(mech, "memory", "") == "host" and \
@@ -297,8 +323,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
     try:
         if mech.uses_cuda:
             try:
-                driver.init()
-                count = driver.device_count()
+                count = capabilities.device_count()
             except NoDriverError as exc:
                 say(f"No CUDA driver on this machine: {exc.detail or exc}")
                 say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
@@ -307,12 +332,11 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
                 print(f"dmabuf-interop: error: --device {opts.device} out of range: "
                       f"this machine has {count} CUDA device(s)", file=sys.stderr)
                 return finish(2)
-            major = capabilities.attribute(opts.device, "COMPUTE_CAPABILITY_MAJOR")
-            minor = capabilities.attribute(opts.device, "COMPUTE_CAPABILITY_MINOR")
-            say(f"Device {opts.device}: {driver.device_name(opts.device)} (Compute Capability {major}.{minor})")
-            skip = mech.gate(opts.device)
-            if skip:
-                say(skip)
+            facts = capabilities.device_facts(opts.device)
+            say(f"Device {opts.device}: {facts.name} (Compute Capability {facts.compute_capability})")
+            missing = mech.gate(opts.device)
+            if missing:
+                say(_gate_line(opts.device, missing))
                 say(_hint(mech, opts.device))
                 return finish(0)
         else:
@@ -328,8 +352,8 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
         say("Cross-GPU sharing across processes")
         pair = mech.pair() if mech.uses_cuda else None
         if pair is None:
-            say(f"  {mech.no_pair_reason()}")
-            results.append((Outcome.SKIPPED, mech.no_pair_reason()))
+            say(f"  {WORDING[mech.name].no_pair}")
+            results.append((Outcome.SKIPPED, WORDING[mech.name].no_pair))
         else:
             results.append(_cross_process(pid2, sock2, mech, opts, pair[1], f"on device {pair[1]}, ", say))
             children.pop(pid2)
@@ -337,7 +361,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
         if any(o is Outcome.FAILED for o, _ in results):
             return finish(1)
         say("Done")
-        if mech.uses_cuda and any(o is Outcome.SKIPPED and r != mech.no_pair_reason() for o, r in results):
+        if mech.uses_cuda and any(o is Outcome.SKIPPED and r != WORDING[mech.name].no_pair for o, r in results):
             say(_hint(mech, opts.device))
         return finish(0)
     except BaseException:

@@ -12,7 +12,7 @@ The report has three parts (the JSON keys are documented in ``docs/info.md``):
   POSIX fd and memfd: usable or not, the one reason that decides it, and the
   cross-GPU pair with its peer access.
 
-Every CUDA call runs in a child process (``python -m dmabuf_interop.info
+Every CUDA call runs in a child process (``python -m dmabuf_interop.cli.info
 --worker``) with a timeout. The child prints one JSON object per line as it
 goes, so a crash or a hang keeps what was reported before it; the parent turns
 the failure into a reason and never prints a traceback.
@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..kinds import PROBE_KEYS
+
 __all__ = ["main", "build_report", "system_facts", "gather_cuda", "parse_kernel_config", "read_kernel_config",
            "kernel_at_least", "nvidia_driver", "dev_nodes", "iommu_facts", "CONFIG_OPTIONS", "MECHANISMS"]
 
@@ -39,8 +41,7 @@ SCHEMA_VERSION = 1
 CONFIG_OPTIONS = ("CONFIG_DMA_SHARED_BUFFER", "CONFIG_UDMABUF", "CONFIG_DMABUF_HEAPS", "CONFIG_DMABUF_MOVE_NOTIFY")
 #: Mechanism keys, in report order: ``--mechanism`` names, dma-buf split by ``--memory``.
 MECHANISMS = ("dmabuf-host", "dmabuf-device", "posix-fd", "memfd")
-_PROBE_ORDER = ("host_dmabuf_export", "device_dmabuf_export", "vmm_dmabuf_export", "dmabuf_import",
-                "posix_fd_export", "posix_fd_import", "posix_fd_import_peer")
+_PROBE_ORDER = PROBE_KEYS
 
 
 # --- system facts (this process, no CUDA) ------------------------------------------
@@ -185,32 +186,33 @@ def _worker() -> int:
     ``cuDeviceGetPCIBusId``, ``cuDeviceGetUuid``, ``cuDeviceGetAttribute``), one
     ``pair`` per CUDA mechanism (:meth:`.mechanisms.Mechanism.pair`,
     ``cuDeviceCanAccessPeer``), one ``probes`` per device
-    (:func:`.capabilities.probe_device`), then ``done``.
+    (:func:`.mechanisms.probes.probe_device`), then ``done``.
     """
-    from . import capabilities, driver
-    from .mechanisms import get_mechanism
+    from .. import capabilities
+    from ..mechanisms import get_mechanism
+    from ..mechanisms.probes import probe_device
 
-    _emit("bindings", built_for=_safe(lambda: _cuda_version(int(driver.bindings().CUDA_VERSION)), None))
+    _emit("bindings", built_for=_safe(lambda: _cuda_version(capabilities.bindings_version()), None))
     ok, reason = capabilities.driver_status()
-    n = driver.device_count() if ok else 0
+    n = capabilities.device_count() if ok else 0
     _emit("driver", ok=ok, reason=reason, count=n,
-          version=_safe(lambda: _cuda_version(driver.driver_version()), None) if ok else None)
+          version=_safe(lambda: _cuda_version(capabilities.driver_version()), None) if ok else None)
     for i in range(n):
-        major = _safe(lambda: driver.device_attribute(i, "COMPUTE_CAPABILITY_MAJOR"))
-        minor = _safe(lambda: driver.device_attribute(i, "COMPUTE_CAPABILITY_MINOR"))
+        facts = _safe(lambda: capabilities.device_facts(i), None)
         attrs = {a: _safe(lambda: capabilities.attribute(i, a), None) for a in capabilities.ATTRIBUTES}
-        _emit("gpu", ordinal=i, name=_safe(lambda: driver.device_name(i)),
-              pci_bus_id=_safe(lambda: driver.device_pci_bus_id(i)), compute_capability=f"{major}.{minor}",
-              uuid=_safe(lambda: driver.device_uuid(i)),
+        _emit("gpu", ordinal=i, name=facts.name if facts else "unknown",
+              pci_bus_id=facts.pci_bus_id if facts else "unknown",
+              compute_capability=facts.compute_capability if facts else "unknown.unknown",
+              uuid=facts.uuid if facts else "unknown",
               attributes={a: "unknown" if v is None else v for a, v in attrs.items()})
     for key, name, memory in (("dmabuf-host", "dmabuf", "host"), ("dmabuf-device", "dmabuf", "device"),
                               ("posix-fd", "posix-fd", "host")):
         pair = _safe(lambda: get_mechanism(name, memory).pair(), None) if n > 1 else None
-        peer = _safe(lambda: driver.can_access_peer(pair[1], pair[0]), None) if pair else None
+        peer = _safe(lambda: capabilities.can_access_peer(pair[1], pair[0]), None) if pair else None
         _emit("pair", mechanism=key, pair=list(pair) if pair else None, peer_access=peer)
     for i in range(n):
         try:
-            got = capabilities.probe_device(i, (i + 1) % n if n > 1 else None)
+            got = probe_device(i, (i + 1) % n if n > 1 else None)
         except Exception as exc:  # noqa: BLE001
             _emit("probes", ordinal=i, probes={k: f"unknown ({type(exc).__name__}: {exc})" for k in _PROBE_ORDER[:6]},
                   details={})
@@ -229,9 +231,9 @@ def gather_cuda(timeout: float = 60.0, argv: Sequence[str] | None = None) -> tup
     killed by a signal or exited non-zero, the lines it managed to print and
     the reason.
     """
-    argv = list(argv or [sys.executable, "-m", "dmabuf_interop.info", "--worker"])
+    argv = list(argv or [sys.executable, "-m", "dmabuf_interop.cli.info", "--worker"])
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1])
+    src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)

@@ -24,15 +24,16 @@ from typing import Any, Callable
 import pytest
 
 from dmabuf_interop.errors import DmaBufError, NotSupportedError, PeerClosedError
-from dmabuf_interop.errors import TimeoutError as DmaTimeoutError
+from dmabuf_interop.errors import WaitTimeoutError as DmaTimeoutError
 from dmabuf_interop.fd import OwnedFd, fd_is_open, open_fds
-from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token, wait_child
-from tests.conftest import env_with_src
-from tests.conftest import fork_child as _fork
+from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token
+from dmabuf_interop.procs import wait_child
+from tests.helpers import env_with_src
+from tests.helpers import fork_child as _fork
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 #: cuMemGetInfo drift allowed once everything is released (one VMM granule on H200 is 2 MiB).
 MEM_TOLERANCE = 8 * MiB
@@ -83,10 +84,10 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
 
 def _warm(device: int = 0) -> None:
     """Open what the driver opens lazily (fds, pools, the kernels) before anything is counted."""
-    from dmabuf_interop import driver
-    from dmabuf_interop.exporter import export_device
+    from dmabuf_interop import _driver as driver
+    from dmabuf_interop.mechanisms.dmabuf import export_device
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     driver.set_current(device)
     with export_posix_fd(4096, device) as exp:
@@ -100,7 +101,7 @@ def _warm(device: int = 0) -> None:
 
 
 def _free(device: int = 0) -> int:
-    from dmabuf_interop import driver
+    from dmabuf_interop import _driver as driver
 
     driver.set_current(device)
     return driver.mem_get_info()[0]
@@ -155,9 +156,10 @@ def _fd_check(before: dict[int, str], own: set[int]) -> dict[str, Any]:
 def scenario_export_inputs() -> dict[str, Any]:
     import numpy as np
 
-    from dmabuf_interop import driver
-    from dmabuf_interop.exporter import export_device, export_host, export_range, page_size
-    from dmabuf_interop.vmm import export_posix_fd
+    from dmabuf_interop import _driver as driver
+    from dmabuf_interop.mechanisms.dmabuf import export_device, export_host, export_range
+    from dmabuf_interop._checks import page_size
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd
 
     _warm(0)
     fds0, free0 = open_fds(), _free()
@@ -247,8 +249,10 @@ def _mmap_check(fd: int, length: int, offset: int, expected: bytes) -> dict[str,
 def scenario_tensor_view() -> dict[str, Any]:
     import torch
 
-    from dmabuf_interop.exporter import export_range, page_size
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import export_range
+
+    from dmabuf_interop._checks import page_size
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
 
     page = page_size()
     base = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
@@ -302,10 +306,11 @@ def test_tensor_view_inside_an_allocation():
 
 
 def scenario_two_chunks() -> dict[str, Any]:
-    from dmabuf_interop import driver
-    from dmabuf_interop.dmabuf import DmaBuf
+    from dmabuf_interop import _driver as driver
+    from dmabuf_interop.linux_dmabuf import DmaBuf
     from dmabuf_interop.errors import CudaError
-    from dmabuf_interop.exporter import export_range, page_size
+    from dmabuf_interop.mechanisms.dmabuf import export_range
+    from dmabuf_interop._checks import page_size
     from dmabuf_interop.kernels import count_mismatches, write_pattern
 
     _warm(0)
@@ -398,10 +403,10 @@ def test_vmm_range_of_two_chunks_exports_all_or_names_the_boundary():
 
 
 def scenario_import_inputs(tmp: str) -> dict[str, Any]:
-    from dmabuf_interop import driver
-    from dmabuf_interop.exporter import export_device
-    from dmabuf_interop.importer import import_dmabuf
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop import _driver as driver
+    from dmabuf_interop.mechanisms.dmabuf import export_device
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     _warm(0)
     fds0, free0 = open_fds(), _free()
@@ -488,17 +493,17 @@ def test_import_inputs(tmp_path):
 def scenario_producer_dies(mode: str) -> dict[str, Any]:
     """The producer sends the fd and is SIGKILLed while the consumer holds the mapping
     (``mapped``), holds only the fd (``fd-only``), or holds a dma-buf fd (``dmabuf``)."""
-    from dmabuf_interop.dmabuf import dmabuf_info, is_dmabuf
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.linux_dmabuf import dmabuf_info, is_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import import_posix_fd
 
     size = 256 * MiB
     parent, child = _pair()
 
     def producer() -> int:
-        from dmabuf_interop.exporter import export_device
-        from dmabuf_interop.vmm import export_posix_fd
+        from dmabuf_interop.mechanisms.dmabuf import export_device
+        from dmabuf_interop.mechanisms.posix_fd import export_posix_fd
 
         parent.close()
         recv_token(child, 120)  # go: the consumer has measured its baseline
@@ -582,7 +587,7 @@ def test_producer_sigkilled_after_sending(mode):
 
 def scenario_consumer_dies() -> dict[str, Any]:
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     size = 256 * MiB
     parent, child = _pair()
@@ -646,9 +651,9 @@ def scenario_ordering(n: int, sync: bool, size: int) -> dict[str, Any]:
     """Each iteration: a kernel on a non-default stream writes a new pattern, and the buffer
     is shared at once (``ExportedBuffer.send``, which synchronises; or, as a control, a bare
     ``send_message`` without synchronisation). The consumer verifies, then acks."""
-    from dmabuf_interop import driver
+    from dmabuf_interop import _driver as driver
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     parent, child = _pair()
 
@@ -710,9 +715,9 @@ def test_ordering_control_without_synchronisation_is_measured():
 
 
 def scenario_eight_consumers(n: int) -> dict[str, Any]:
-    from dmabuf_interop import driver
+    from dmabuf_interop import _driver as driver
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     pairs = [_pair() for _ in range(n)]
 

@@ -13,9 +13,10 @@ import re
 
 import pytest
 
-from dmabuf_interop import capabilities, info
-from tests.conftest import run_cli
-from tests.test_info_cpu import PROBE_RE, check_documented
+from dmabuf_interop import capabilities
+from dmabuf_interop.cli import info
+from tests.helpers import run_cli
+from tests.helpers.info_doc import PROBE_RE, check_documented
 
 pytestmark = pytest.mark.gpu
 

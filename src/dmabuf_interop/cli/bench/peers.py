@@ -39,11 +39,11 @@ import time
 from collections import Counter
 from typing import Any
 
-from . import driver
-from .errors import CudaError, NotSupportedError
-from .fd import OwnedFd
-from .fdpass import close_fds as _close_fds
-from .fdpass import recv_message, send_message
+from ... import _driver as driver
+from ...errors import CudaError, NotSupportedError
+from ...fd import OwnedFd
+from ...fdpass import close_fds as _close_fds
+from ...fdpass import recv_message, send_message
 
 __all__ = ["main", "READ_SOURCE", "CACHED_RING"]
 
@@ -96,7 +96,7 @@ class Reader:
     def __init__(self, device: int) -> None:
         from cuda.core import LaunchConfig, Program, ProgramOptions
 
-        from .kernels import cache_dir
+        from ...kernels import cache_dir
 
         self.device = device
         dev = driver.set_current(device)
@@ -288,7 +288,7 @@ class Bench:
         self.exported = export()
         t_exp = now()
         t_send = now()
-        send_message(self.io.pc, {"rep": rep, **self.exported.describe()}, self.exported.fd)
+        send_message(self.io.pc, {"rep": rep, **self.exported.describe().to_json()}, self.exported.fd)
         return [t0, t_exp, t_send]
 
     def release_exported(self) -> None:
@@ -304,7 +304,7 @@ class PosixFd(Bench):
         return out
 
     def produce(self, rep: int) -> dict[str, Any]:
-        from .vmm import export_posix_fd
+        from ...mechanisms.posix_fd import export_posix_fd
 
         self.steps.take()
         t = self.share(rep, lambda: export_posix_fd(self.size, self.io.producer_device))
@@ -313,7 +313,7 @@ class PosixFd(Bench):
     release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
-        from .vmm import import_posix_fd
+        from ...mechanisms.posix_fd import import_posix_fd
 
         msg, fds = self.recv()
         t_recv = now()
@@ -357,7 +357,7 @@ class PosixFdCached(Bench):
         self.cache: dict[str, Any] = {}
 
     def produce(self, rep: int) -> dict[str, Any]:
-        from .vmm import export_posix_fd
+        from ...mechanisms.posix_fd import export_posix_fd
 
         slot = rep % CACHED_RING
         t0 = now()
@@ -375,7 +375,7 @@ class PosixFdCached(Bench):
         return {"t": [t0, t_exp, t_send]}
 
     def consume(self, rep: int) -> dict[str, Any]:
-        from .vmm import import_posix_fd
+        from ...mechanisms.posix_fd import import_posix_fd
 
         msg, fds = self.recv()
         t_recv = now()
@@ -409,7 +409,7 @@ class DmaBufBench(Bench):
     def cell(self, size: int) -> None:
         super().cell(size)
         if self.io.role == "producer":
-            from .exporter import page_size
+            from ...mechanisms.dmabuf import page_size
 
             driver.set_current(self.io.producer_device)
             page = page_size()
@@ -423,14 +423,14 @@ class DmaBufBench(Bench):
         return {"import": self.import_status}
 
     def produce(self, rep: int) -> dict[str, Any]:
-        from .exporter import export_range
+        from ...mechanisms.dmabuf import export_range
 
         return {"t": self.share(rep, lambda: export_range(self.ptr, self.size))}
 
     release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
-        from .importer import import_dmabuf
+        from ...mechanisms.dmabuf import import_dmabuf
 
         msg, fds = self.recv()
         t_recv = now()
@@ -463,14 +463,14 @@ class MemfdBench(Bench):
     uses_cuda = False
 
     def produce(self, rep: int) -> dict[str, Any]:
-        from .memfd import export_memfd
+        from ...mechanisms.memfd import export_memfd
 
         return {"t": self.share(rep, lambda: export_memfd(self.size))}
 
     release_producer = Bench.release_exported
 
     def consume(self, rep: int) -> dict[str, Any]:
-        from .memfd import import_memfd
+        from ...mechanisms.memfd import import_memfd
 
         msg, fds = self.recv()
         t_recv = now()
@@ -735,8 +735,8 @@ def _other_device(io: IO) -> int | None:
 
 
 def _bandwidth(io: IO) -> None:
-    from .kernels import count_mismatches, write_pattern
-    from .vmm import export_posix_fd, import_posix_fd
+    from ...kernels import count_mismatches, write_pattern
+    from ...mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     reps = max(3, int(io.cfg["reps"]))
     P = io.producer_device
@@ -745,7 +745,7 @@ def _bandwidth(io: IO) -> None:
             exported = export_posix_fd(size, P)
             with exported:
                 write_pattern(exported.ptr, size, P)
-                send_message(io.pc, {"size": size, **exported.describe()}, exported.fd)
+                send_message(io.pc, {"size": size, **exported.describe().to_json()}, exported.fd)
                 recv_message(io.pc, io.timeout, max_fds=0)  # done
         send_message(io.ctl, {"bw_done": True})
         return
@@ -857,8 +857,9 @@ def _overhead(device: int, n: int) -> dict[str, Any]:
     ``export_posix_fd``, ``import_posix_fd``, ``close()`` of both. One
     granule (the smallest allocation), interleaved, medians.
     """
-    from .exporter import export_range, page_size
-    from .vmm import export_posix_fd, import_posix_fd
+    from ...mechanisms.dmabuf import export_range
+    from ..._checks import page_size
+    from ...mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     drv = driver.bindings()
     driver.set_current(device)

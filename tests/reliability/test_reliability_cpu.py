@@ -25,14 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from dmabuf_interop import driver
+from dmabuf_interop import _driver as driver
 from dmabuf_interop.errors import InvalidArgumentError, NotADmaBufError, PeerClosedError, ProtocolError
 from dmabuf_interop.fd import OwnedFd, fd_is_open, open_fds
-from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token, wait_child
-from dmabuf_interop.memfd import count_mismatches_host, export_memfd, host_array, import_memfd, write_pattern_host
-from tests.conftest import fork_child as _fork
+from dmabuf_interop.fdpass import recv_message, recv_token, send_message, send_token
+from dmabuf_interop.procs import wait_child
+from dmabuf_interop.mechanisms.memfd import count_mismatches_host, export_memfd, host_array, import_memfd, write_pattern_host
+from tests.helpers import fork_child as _fork
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "dmabuf_interop"
 
 
@@ -118,7 +119,7 @@ def not_a_dmabuf(request, tmp_path):
 
 
 def test_import_dmabuf_refuses_what_is_not_a_dmabuf_before_the_driver(not_a_dmabuf, forbid_driver):
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
 
     fd, says = not_a_dmabuf
     open_before = fd_is_open(fd)
@@ -132,7 +133,7 @@ def test_import_dmabuf_refuses_what_is_not_a_dmabuf_before_the_driver(not_a_dmab
 
 def test_import_dmabuf_takes_the_owned_fd_it_was_received_in(forbid_driver):
     """An OwnedFd (what a receiver holds) is judged by its fd, not refused as 'not a valid fd'."""
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
 
     r, w = os.pipe()
     with OwnedFd(r) as owned, OwnedFd(w):
@@ -141,23 +142,23 @@ def test_import_dmabuf_takes_the_owned_fd_it_was_received_in(forbid_driver):
 
 
 def test_import_posix_fd_checks_the_range_before_the_driver(forbid_driver):
-    from dmabuf_interop.vmm import import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import import_posix_fd
 
     # A character device passes the user-space kind check (CUDA handles are char-device or
     # anonymous-inode files), so the range checks are what answer here.
     with OwnedFd(os.open("/dev/null", os.O_RDWR)) as owned:
         with pytest.raises(InvalidArgumentError, match="exceeds the allocation's 2097152 bytes"):
             import_posix_fd(owned, 4096, 0, offset=2097152, export_size=2097152)
-        with pytest.raises(InvalidArgumentError, match="size must be > 0"):
+        with pytest.raises(InvalidArgumentError, match="size must be"):
             import_posix_fd(owned, 0, 0)
-        with pytest.raises(InvalidArgumentError, match="offset must be >= 0"):
+        with pytest.raises(InvalidArgumentError, match="offset must be"):
             import_posix_fd(owned, 4, 0, offset=-4)
 
 
 def test_import_posix_fd_refuses_what_is_visibly_no_cuda_handle(not_a_dmabuf, forbid_driver):
     """The driver answers CUDA_ERROR_UNKNOWN for a pipe, memfd or file (H200, driver 580);
     the importer names what the fd is instead, without asking the driver."""
-    from dmabuf_interop.vmm import import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import import_posix_fd
 
     fd, _ = not_a_dmabuf
     link = os.readlink(f"/proc/self/fd/{fd}") if fd_is_open(fd) else ""
@@ -171,7 +172,7 @@ def test_import_posix_fd_refuses_what_is_visibly_no_cuda_handle(not_a_dmabuf, fo
 
 @pytest.mark.parametrize("fd", [-1, "closed"])
 def test_import_posix_fd_refuses_bad_fds_before_the_driver(fd, forbid_driver):
-    from dmabuf_interop.vmm import import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import import_posix_fd
 
     fd = _closed_fd() if fd == "closed" else fd
     with pytest.raises(InvalidArgumentError, match="not an open file descriptor"):
@@ -179,7 +180,9 @@ def test_import_posix_fd_refuses_bad_fds_before_the_driver(fd, forbid_driver):
 
 
 def _bad_exports():
-    from dmabuf_interop import exporter, memfd, vmm
+    from dmabuf_interop.mechanisms import dmabuf as exporter
+    from dmabuf_interop.mechanisms import memfd
+    from dmabuf_interop.mechanisms import posix_fd as vmm
 
     ptr = 0x7F0000000000
     return {
@@ -220,10 +223,10 @@ def exported():
     (4, 1 << 40, "exceeds"),
     (0, 0, "size must be > 0"),
     (-4, 0, "size must be > 0"),
-    (4.0, 0, "size must be > 0"),
-    (True, 0, "size must be > 0"),
+    (4.0, 0, "size must be an integer"),
+    (True, 0, "size must be an integer"),
     (4, -4, "offset must be >= 0"),
-    (4, 0.5, "offset must be >= 0"),
+    (4, 0.5, "offset must be an integer"),
 ])
 def test_import_memfd_refuses_bad_ranges(exported, size, offset, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -473,7 +476,7 @@ FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill"
                      "multiprocessing.connection", "multiprocessing.reduction"}
 #: Modules allowed to unpickle, and why. Never on the library's sharing path.
 UNPICKLING_ALLOWED = {
-    "bench_peers.py": "the benchmark's torch-IPC baseline measures torch's own pickled hand-off "
+    "peers.py": "the benchmark's torch-IPC baseline measures torch's own pickled hand-off "
                       "(ForkingPickler) between two benchmark processes, for comparison",
 }
 
@@ -504,7 +507,7 @@ def test_nothing_is_unpickled_package_imports_no_deserialiser():
     assert offenders == []
     # The allowed modules are leaves: nothing on the sharing path imports them.
     for path in _package_sources():
-        if path.name in UNPICKLING_ALLOWED or path.name.startswith("bench"):
+        if path.name in UNPICKLING_ALLOWED or path.parent.name == "bench":
             continue
         for allowed in UNPICKLING_ALLOWED:
             assert f".{allowed[:-3]}" not in path.read_text(), f"{path.name} imports {allowed}"
@@ -544,7 +547,7 @@ def test_received_bad_metadata_is_not_trusted_for_memfd_import():
     """A peer's metadata claiming more bytes than it sent is refused by the importer."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b, export_memfd(4096) as exp:
-        send_message(a, {**exp.describe(), "size": 1 << 30}, exp.fd)
+        send_message(a, {**exp.describe().to_json(), "size": 1 << 30}, exp.fd)
         msg, fds = recv_message(b, 5)
         with OwnedFd(fds[0]) as fd:
             with pytest.raises(InvalidArgumentError, match="exceeds"):

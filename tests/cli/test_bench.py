@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dmabuf_interop.bench import MECHANISMS, PHASES, parse_sizes, percentile, size_label
-from tests.conftest import run_cli
+from dmabuf_interop.cli.bench.runner import MECHANISMS, PHASES, parse_sizes, percentile, size_label
+from tests.helpers import run_cli
 
 TOP_KEYS = {"schema", "command", "argv", "started", "environment", "config", "mechanisms", "plot", "bandwidth",
             "python_overhead", "targets"}

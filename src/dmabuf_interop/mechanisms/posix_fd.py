@@ -21,18 +21,22 @@ Programming Guide, "Virtual Memory Management".
 
 from __future__ import annotations
 
-from . import driver
-from .buffers import ExportedBuffer, ImportedBuffer
-from .dmabuf import is_dmabuf
-from .errors import InvalidArgumentError, NotSupportedError
-from .fd import OwnedFd, fd_is_open
-from .memfd import is_memfd
+from .. import _driver as driver
+from .._checks import byte_count, byte_offset
+from .._checks import round_up as _round_up
+from ..buffers import ExportedBuffer, ImportedBuffer, Transaction
+from ..descriptor import ShareDescriptor
+from ..errors import InvalidArgumentError, NotSupportedError
+from ..fd import OwnedFd, fd_is_open, is_memfd
+from ..linux_dmabuf import is_dmabuf
+from ._base import Mechanism
 
-__all__ = ["export_posix_fd", "import_posix_fd", "granularity"]
+__all__ = ["export_posix_fd", "import_posix_fd", "granularity", "PosixFdMechanism"]
 
 
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+def _unmap(device: int, ptr: int, size: int) -> None:
+    driver.set_current(device)
+    driver.vmm_unmap(ptr, size)
 
 
 def _not_a_handle(fd: int) -> str | None:
@@ -88,35 +92,23 @@ def export_posix_fd(size: int, device: int = 0) -> ExportedBuffer:
         CudaError: any driver failure (e.g. ``CUDA_ERROR_OUT_OF_MEMORY``).
         InvalidArgumentError: size <= 0 or a bad ordinal.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
+    size = byte_count(size)
     driver.set_current(device)
     gran = driver.vmm_granularity(device)
     export_size = _round_up(size, gran)
-    handle = driver.vmm_create(device, export_size)
-    cleanups = []
-    try:
-        cleanups.append(lambda: driver.vmm_release(handle))
+    uuid = driver.device_uuid(device)
+    with Transaction() as tx:
+        handle = driver.vmm_create(device, export_size)
+        tx.push(driver.vmm_release, handle)
         ptr = driver.vmm_reserve(export_size, gran)
-        cleanups.append(lambda: driver.vmm_address_free(ptr, export_size))
+        tx.push(driver.vmm_address_free, ptr, export_size)
         driver.vmm_map(ptr, export_size, handle)
-        cleanups.append(lambda: (driver.set_current(device), driver.vmm_unmap(ptr, export_size)))
+        tx.push(_unmap, device, ptr, export_size)
         driver.vmm_set_access(ptr, export_size, [device])
         fd = OwnedFd(driver.vmm_export_posix_fd(handle))
-        cleanups.append(fd.close)
-        uuid = driver.device_uuid(device)
-    except BaseException:
-        for fn in reversed(cleanups):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - the original error matters more
-                pass
-        raise
-    buf = ExportedBuffer(mechanism="posix-fd", memory="vmm", handle=fd, ptr=ptr, size=size, offset=0,
-                         export_size=export_size, device=device, device_uuid=uuid)
-    for fn in cleanups:
-        buf._push(fn)
-    return buf
+        tx.push(fd.close)
+        return ExportedBuffer(mechanism="posix-fd", memory="vmm", handle=fd, ptr=ptr, size=size, offset=0,
+                              export_size=export_size, device=device, device_uuid=uuid, cleanups=tx.commit())
 
 
 def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int = 0,
@@ -149,37 +141,41 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
     kind = _not_a_handle(raw)
     if kind is not None:
         raise InvalidArgumentError(f"fd {raw} is not a CUDA POSIX-fd handle: it is {kind}")
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise InvalidArgumentError(f"size must be > 0 bytes, got {size!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise InvalidArgumentError(f"offset must be >= 0 bytes, got {offset!r}")
-    if export_size is not None and offset + size > export_size:  # known before the driver is asked
-        raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {export_size} bytes")
+    size = byte_count(size)
+    offset = byte_offset(offset)
+    if export_size is not None:
+        export_size = byte_count(export_size, "export_size")
+        if offset + size > export_size:  # known before the driver is asked
+            raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {export_size} bytes")
     driver.set_current(device)
-    handle = driver.vmm_import_posix_fd(raw)
-    cleanups = [lambda: driver.vmm_release(handle)]
-    try:
+    with Transaction() as tx:
+        handle = driver.vmm_import_posix_fd(raw)
+        tx.push(driver.vmm_release, handle)
         owner = driver.vmm_allocation_device(handle)
         if owner != device and not driver.can_access_peer(device, owner):
-            raise NotSupportedError("cuDeviceCanAccessPeer", "0", -1,
-                                    f"device {device} cannot access memory on device {owner}")
+            raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
+                                    f"device {owner}")
         gran = driver.vmm_granularity(owner)
         map_size = export_size if export_size is not None else _round_up(offset + size, gran)
-        if offset + size > map_size:
-            raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {map_size} bytes")
         ptr = driver.vmm_reserve(map_size, gran)
-        cleanups.append(lambda: driver.vmm_address_free(ptr, map_size))
+        tx.push(driver.vmm_address_free, ptr, map_size)
         driver.vmm_map(ptr, map_size, handle)
-        cleanups.append(lambda: (driver.set_current(device), driver.vmm_unmap(ptr, map_size)))
+        tx.push(_unmap, device, ptr, map_size)
         driver.vmm_set_access(ptr, map_size, [device])
-    except BaseException:
-        for fn in reversed(cleanups):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                pass
-        raise
-    buf = ImportedBuffer(mechanism="posix-fd", ptr=ptr + offset, size=size, device=device)
-    for fn in cleanups:
-        buf._push(fn)
-    return buf
+        return ImportedBuffer(mechanism="posix-fd", ptr=ptr + offset, size=size, device=device,
+                              cleanups=tx.commit())
+
+
+class PosixFdMechanism(Mechanism):
+    """CUDA VMM allocations shared as POSIX-fd shareable handles."""
+
+    name = "posix-fd"
+    gate_attribute = "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+    pair_attributes = ("HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+    need_peer_access = True
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        return export_posix_fd(size, device)
+
+    def import_(self, fd: int, descriptor: ShareDescriptor, device: int) -> ImportedBuffer:
+        return import_posix_fd(fd, descriptor.size, device, descriptor.offset, descriptor.export_size)

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmabuf_interop import cli
-from dmabuf_interop.buffers import MECHANISM_NAMES
-from tests.conftest import env_with_src, run_cli
+from dmabuf_interop.kinds import MECHANISM_NAMES
+from tests.helpers import env_with_src, run_cli
 
 FAULT = "DMABUF_INTEROP_FAULT"
 

@@ -6,7 +6,10 @@ Every other module goes through the thin, checked wrappers here, so that:
   (``cuda.bindings.driver`` is imported on first use);
 * every ``CUresult`` is checked and a failure raises :class:`~.errors.CudaError`
   naming the call and the result (``NOT_SUPPORTED`` raises
-  :class:`~.errors.NotSupportedError`);
+  :class:`~.errors.CudaNotSupportedError`);
+* one documented hook, :func:`set_observer`, sees every checked call with its
+  duration, so tools can time and count driver calls without patching the
+  module;
 * a machine without ``libcuda.so.1`` gives :class:`~.errors.NoDriverError`, not
   an ``ImportError`` or ``RuntimeError`` traceback;
 * a process forked after CUDA was initialised gets
@@ -22,9 +25,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Callable
 
-from .errors import CudaError, ForkedAfterInitError, NoDriverError, NotSupportedError
+from .errors import CudaError, CudaNotSupportedError, ForkedAfterInitError, InvalidArgumentError, NoDriverError
 
 _lock = threading.Lock()
 _drv: Any = None
@@ -32,6 +36,22 @@ _init_pid: int | None = None  # pid that ran cuInit successfully
 _forked_after_init = False
 
 _NOT_SUPPORTED = {"CUDA_ERROR_NOT_SUPPORTED"}
+
+#: ``observer(call_name, nanoseconds)`` after every checked call, or ``None``.
+_observer: Callable[[str, int], None] | None = None
+
+
+def set_observer(observer: Callable[[str, int], None] | None) -> Callable[[str, int], None] | None:
+    """Install ``observer(call, ns)``, called after every checked driver call with the call's
+    name (``"cuMemCreate"``) and its duration in nanoseconds (``time.perf_counter_ns``), failed
+    calls included; ``None`` removes it. Returns the observer it replaces.
+
+    For measurement tools (``dmabuf-interop bench``): with no observer a call
+    costs one global read more.
+    """
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
 
 
 def _mark_forked() -> None:
@@ -50,7 +70,8 @@ def bindings() -> Any:
         try:
             from cuda.bindings import driver as drv
         except ImportError as exc:  # pragma: no cover - dependency is declared
-            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1, str(exc)) from exc
+            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1, str(exc),
+                                reason="no-bindings") from exc
         _drv = drv
     return _drv
 
@@ -71,7 +92,7 @@ def raise_for(call: str, err: Any, detail: str = "") -> None:
             "the CUDA driver does not survive fork(): use multiprocessing's 'spawn' "
             "start method or fork before the first CUDA call",
         )
-    cls = NotSupportedError if name in _NOT_SUPPORTED else CudaError
+    cls = CudaNotSupportedError if name in _NOT_SUPPORTED else CudaError
     raise cls(call, name, int(err), detail)
 
 
@@ -88,7 +109,14 @@ def call(fn: Callable[..., Any], *args: Any, detail: str = "") -> Any:
             "the CUDA driver does not survive fork(): use multiprocessing's 'spawn' "
             "start method or fork before the first CUDA call",
         )
-    out = fn(*args)
+    if _observer is None:
+        out = fn(*args)
+    else:
+        t0 = time.perf_counter_ns()
+        try:
+            out = fn(*args)
+        finally:
+            _observer(fn.__name__, time.perf_counter_ns() - t0)
     err, rest = out[0], out[1:]
     if int(err) != 0:
         raise_for(fn.__name__, err, detail)
@@ -118,8 +146,10 @@ def init() -> None:
         except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
             raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1, str(exc)) from exc
         name = result_name(err)
-        if name in ("CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY", "CUDA_ERROR_INSUFFICIENT_DRIVER"):
-            raise NoDriverError("cuInit", name, int(err))
+        reason = {"CUDA_ERROR_NO_DEVICE": "no-device", "CUDA_ERROR_STUB_LIBRARY": "no-driver",
+                  "CUDA_ERROR_INSUFFICIENT_DRIVER": "old-driver"}.get(name)
+        if reason is not None:
+            raise NoDriverError("cuInit", name, int(err), reason=reason)
         if int(err) != 0:
             raise_for("cuInit", err)
         _init_pid = os.getpid()
@@ -167,8 +197,6 @@ def device(ordinal: int) -> Any:
     Raises:
         InvalidArgumentError: ordinal outside ``0 .. device_count()-1``.
     """
-    from .errors import InvalidArgumentError
-
     cache = _per_process()
     key = ("device", ordinal)
     if key not in cache:
@@ -211,18 +239,18 @@ def device_attribute(ordinal: int, name: str) -> int:
     """``cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_<name>)``.
 
     Raises:
-        NotSupportedError: the bindings or the driver do not know the attribute
+        CudaNotSupportedError: the bindings or the driver do not know the attribute
             (a driver older than the bindings answers ``CUDA_ERROR_INVALID_VALUE``).
     """
     enum = attribute_enum(name)
     if enum is None:
-        raise NotSupportedError("cuDeviceGetAttribute", "unknown to cuda.bindings", -1, name)
+        raise CudaNotSupportedError("cuDeviceGetAttribute", "unknown to cuda.bindings", -1, name)
     dev = device(ordinal)
     err, value = bindings().cuDeviceGetAttribute(enum, dev)
     if int(err) != 0:
         rn = result_name(err)
         if rn == "CUDA_ERROR_INVALID_VALUE":
-            raise NotSupportedError("cuDeviceGetAttribute", rn, int(err), f"{name} unknown to this driver")
+            raise CudaNotSupportedError("cuDeviceGetAttribute", rn, int(err), f"{name} unknown to this driver")
         raise_for("cuDeviceGetAttribute", err, name)
     return int(value)
 

@@ -13,11 +13,12 @@ import sys
 import numpy as np
 import pytest
 
-from dmabuf_interop import capabilities, driver
-from dmabuf_interop.dmabuf import DmaBuf, is_dmabuf
+from dmabuf_interop import _driver as driver
+from dmabuf_interop import capabilities
+from dmabuf_interop.linux_dmabuf import DmaBuf, is_dmabuf
 from dmabuf_interop.errors import CudaError, InvalidArgumentError, NotSupportedError
 from dmabuf_interop.fd import open_fds
-from tests.conftest import env_with_src
+from tests.helpers import env_with_src
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def _warm_up() -> None:
     """The driver opens its own fds (/dev/nvidia*, eventfds) on first use: open them first,
     so fd counts before and after a cycle compare our fds only."""
     from dmabuf_interop.kernels import count_mismatches, write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     with export_posix_fd(4096, 0) as exp:
         write_pattern(exp.ptr, 4096, 0)
@@ -50,7 +51,8 @@ def test_attributes_are_ints_or_unknown():
 
 
 def test_export_device_gives_a_named_dmabuf():
-    from dmabuf_interop.exporter import export_device, page_size
+    from dmabuf_interop.mechanisms.dmabuf import export_device
+    from dmabuf_interop._checks import page_size
 
     _warm_up()
     export_device(4096, 0).close()
@@ -78,7 +80,7 @@ def test_export_device_gives_a_named_dmabuf():
 
 
 def test_export_host_follows_the_attribute():
-    from dmabuf_interop.exporter import export_host
+    from dmabuf_interop.mechanisms.dmabuf import export_host
 
     supported = capabilities.attribute(0, "HOST_ALLOC_DMA_BUF_SUPPORTED")
     if supported == 1:
@@ -92,8 +94,8 @@ def test_export_host_follows_the_attribute():
 
 
 def test_dmabuf_round_trip_or_driver_answer():
-    from dmabuf_interop.exporter import export_device
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import export_device
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
     from dmabuf_interop.kernels import write_pattern
 
     with export_device(16384, 0) as exp:
@@ -108,8 +110,8 @@ def test_dmabuf_round_trip_or_driver_answer():
 
 
 def test_import_rejects_oversize_before_the_driver():
-    from dmabuf_interop.exporter import export_device
-    from dmabuf_interop.importer import import_dmabuf
+    from dmabuf_interop.mechanisms.dmabuf import export_device
+    from dmabuf_interop.mechanisms.dmabuf import import_dmabuf
 
     with export_device(4096, 0) as exp:
         with pytest.raises(InvalidArgumentError, match="exceeds"):
@@ -122,7 +124,7 @@ def test_import_rejects_oversize_before_the_driver():
 
 def test_posix_fd_round_trip_same_process_no_leak():
     from dmabuf_interop.kernels import write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     _warm_up()
     before_fds = open_fds()
@@ -144,7 +146,7 @@ def test_imported_buffer_reaches_torch_and_cupy_through_dlpack():
     torch = pytest.importorskip("torch")
     cupy = pytest.importorskip("cupy")
     from dmabuf_interop.kernels import write_pattern
-    from dmabuf_interop.vmm import export_posix_fd, import_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd, import_posix_fd
 
     with export_posix_fd(16384, 0) as exp:
         write_pattern(exp.ptr, exp.size, 0)
@@ -160,8 +162,8 @@ def test_imported_buffer_reaches_torch_and_cupy_through_dlpack():
 
 
 def test_vmm_allocation_also_exports_as_dmabuf():
-    from dmabuf_interop.exporter import export_range
-    from dmabuf_interop.vmm import export_posix_fd
+    from dmabuf_interop.mechanisms.dmabuf import export_range
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd
 
     with export_posix_fd(1 << 20, 0) as exp:
         try:
@@ -175,7 +177,8 @@ def test_vmm_allocation_also_exports_as_dmabuf():
 
 def test_export_range_of_a_tensor_view_reports_its_offset():
     torch = pytest.importorskip("torch")
-    from dmabuf_interop.exporter import export_range, page_size
+    from dmabuf_interop.mechanisms.dmabuf import export_range
+    from dmabuf_interop._checks import page_size
 
     base = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
     view = base[1000:5000]
@@ -194,7 +197,7 @@ def test_export_range_of_a_tensor_view_reports_its_offset():
 
 def test_export_range_names_page_and_misalignment_when_range_leaves_allocation():
     from dmabuf_interop.errors import AlignmentError
-    from dmabuf_interop.exporter import export_range
+    from dmabuf_interop.mechanisms.dmabuf import export_range
 
     driver.set_current(0)
     # cuMemAlloc of 100 bytes: the allocation is smaller than a page, so the
@@ -250,7 +253,7 @@ def test_probes_report_every_path():
 
 
 def test_bad_device_ordinal_is_an_invalid_argument():
-    from dmabuf_interop.vmm import export_posix_fd
+    from dmabuf_interop.mechanisms.posix_fd import export_posix_fd
 
     with pytest.raises(InvalidArgumentError, match="out of range"):
         export_posix_fd(4096, driver.device_count())

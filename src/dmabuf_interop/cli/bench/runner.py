@@ -292,7 +292,7 @@ def _installed(module: str | None) -> bool:
 
 def environment() -> dict[str, Any]:
     """Host, GPUs, driver and package versions (asks the driver; creates no CUDA context)."""
-    from . import capabilities, driver
+    from ... import _driver as driver, capabilities
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -347,7 +347,7 @@ def _git_revision() -> dict[str, Any] | None:
 
 
 def _package_version() -> str:
-    from . import __version__
+    from ... import __version__
 
     return f"{__version__} (source tree)"
 
@@ -368,7 +368,7 @@ def _spawn(role: str, fds: list[int]) -> subprocess.Popen[bytes]:
         out: Any = sys.stderr.fileno()
     except (AttributeError, ValueError, OSError):
         out = None
-    cmd = [sys.executable, "-m", "dmabuf_interop.bench_peers", role, *map(str, fds)]
+    cmd = [sys.executable, "-m", "dmabuf_interop.cli.bench.peers", role, *map(str, fds)]
     return subprocess.Popen(cmd, pass_fds=fds, env=_child_env(), stdin=subprocess.DEVNULL, stdout=out)
 
 
@@ -387,8 +387,9 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Any = _say) -> dict[str, 
 
     Returns ``{"status", "reason", "versions", "cells", "bandwidth", "overhead"}``.
     """
-    from .errors import DmaBufError, PeerClosedError
-    from .fdpass import recv_message, send_message, wait_child
+    from ...errors import DmaBufError, PeerClosedError
+    from ...fdpass import recv_message, send_message
+    from ...procs import wait_child
 
     timeout = float(cfg["timeout"])
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(4)]

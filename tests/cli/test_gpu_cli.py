@@ -7,7 +7,7 @@ import pytest
 import subprocess
 import sys
 
-from tests.conftest import env_with_src, gpu_count, run_cli
+from tests.helpers import env_with_src, gpu_count, run_cli
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
-"""dma-buf exporters: turn CUDA memory into a dma-buf fd.
+"""dma-buf: export CUDA memory as a Linux dma-buf fd, and import a dma-buf into CUDA.
 
-All three use ``cuMemGetHandleForAddressRange(...,
+Exporters. All three use ``cuMemGetHandleForAddressRange(...,
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`` (CUDA Driver API, "Memory
 Management"), which requires the base address and the size to be aligned to
 the host page size (``os.sysconf("SC_PAGE_SIZE")``, 4096 bytes on x86-64):
@@ -18,6 +18,24 @@ Ordering: the exporters do not write. A caller that wrote the memory with a
 kernel must synchronise that stream (or the device) before sending the fd;
 the demos call ``cuCtxSynchronize`` first, as the sample calls
 ``cudaDeviceSynchronize``.
+
+Importer (:func:`import_dmabuf`): ``cuImportExternalMemory`` with
+``CU_EXTERNAL_MEMORY_HANDLE_TYPE_DMABUF_FD``, then
+``cuExternalMemoryGetMappedBuffer`` (CUDA Driver API, "External Resource
+Interoperability"). Closing unmaps with ``cuMemFree`` on the mapped pointer,
+then ``cuDestroyExternalMemory``, as the driver API documents for mapped
+buffers.
+
+fd ownership on import: the Driver API documents a transfer of ownership to
+the driver only for ``CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD``; it states no
+such transfer for ``DMABUF_FD``, and NVIDIA's dmabufInterop sample closes its
+fd itself, after ``cuDestroyExternalMemory``. So :func:`import_dmabuf` never
+takes the caller's fd: it imports a ``dup()`` that the
+:class:`~dmabuf_interop.buffers.ImportedBuffer` owns and closes after
+``cuDestroyExternalMemory``. Everything that can be checked in user space is
+checked before the driver is called: the fd is a dma-buf, ``size`` > 0,
+``offset`` >= 0, and ``offset + size`` fits inside the dma-buf's size from
+``/proc/self/fdinfo``.
 """
 
 from __future__ import annotations
@@ -25,29 +43,19 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from . import driver
-from .buffers import ExportedBuffer
-from .dmabuf import DmaBuf
-from .errors import AlignmentError, CudaError, InvalidArgumentError, NotSupportedError
+from .. import _driver as driver
+from .._checks import byte_count, byte_offset, page_size
+from .._checks import round_up as _round_up
+from ..buffers import ExportedBuffer, ImportedBuffer, Transaction
+from ..descriptor import ShareDescriptor
+from ..errors import AlignmentError, CudaError, CudaNotSupportedError, InvalidArgumentError, NotSupportedError
+from ..fd import OwnedFd
+from ..linux_dmabuf import DmaBuf, dmabuf_info
+from ._base import Mechanism
 
-__all__ = ["page_size", "export_host", "export_device", "export_range", "pointer_and_size"]
+__all__ = ["export_host", "export_device", "export_range", "import_dmabuf", "pointer_and_size",
+           "DmaBufMechanism"]
 
-
-def page_size() -> int:
-    """The host page size in bytes (the alignment ``cuMemGetHandleForAddressRange`` needs)."""
-    return os.sysconf("SC_PAGE_SIZE")
-
-
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def _check_size(size: int) -> int:
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise InvalidArgumentError(f"size must be an int number of bytes, got {type(size).__name__}")
-    if size <= 0:
-        raise InvalidArgumentError(f"size must be > 0 bytes, got {size}")
-    return size
 
 
 def _dmabuf_for(ptr: int, size: int, device: int, attribute: str | None) -> DmaBuf:
@@ -63,35 +71,36 @@ def _dmabuf_for(ptr: int, size: int, device: int, attribute: str | None) -> DmaB
         except CudaError:
             supported = None
         if supported == 0 or isinstance(exc, NotSupportedError):
-            raise NotSupportedError(
+            raise CudaNotSupportedError(
                 exc.call, exc.result, exc.code,
                 f"device {device} reports CU_DEVICE_ATTRIBUTE_{attribute}={supported}",
             ) from exc
         raise
-    return DmaBuf(fd, size)
+    return DmaBuf._from_driver(fd, size)
 
 
 def _export_allocation(size: int, device: int, memory: str, attribute: str,
                        alloc: Callable[[int], int], free: Callable[[int], None]) -> ExportedBuffer:
     """Allocate ``round_up(size, page) + page`` bytes, round the base up to a page and
     export ``round_up(size, page)`` bytes from there as a dma-buf."""
-    _check_size(size)
+    size = byte_count(size)
     driver.set_current(device)
     uuid = driver.device_uuid(device)
     page = page_size()
     export_size = _round_up(size, page)
-    raw = alloc(export_size + page)
-    base = _round_up(raw, page)
-    try:
+    with Transaction() as tx:
+        raw = alloc(export_size + page)
+        tx.push(_free_on, device, free, raw)
+        base = _round_up(raw, page)
         dmabuf = _dmabuf_for(base, export_size, device, attribute)
-    except BaseException:
-        free(raw)
-        raise
-    buf = ExportedBuffer(mechanism="dmabuf", memory=memory, handle=dmabuf, ptr=base, size=size, offset=0,
-                         export_size=export_size, device=device, device_uuid=uuid)
-    buf._push(lambda: (driver.set_current(device), free(raw)))
-    buf._push(dmabuf.close)  # closes first
-    return buf
+        tx.push(dmabuf.close)  # closes before the memory is freed
+        return ExportedBuffer(mechanism="dmabuf", memory=memory, handle=dmabuf, ptr=base, size=size, offset=0,
+                              export_size=export_size, device=device, device_uuid=uuid, cleanups=tx.commit())
+
+
+def _free_on(device: int, free: Callable[[int], None], ptr: int) -> None:
+    driver.set_current(device)
+    free(ptr)
 
 
 def export_host(size: int, device: int = 0) -> ExportedBuffer:
@@ -143,7 +152,7 @@ def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
     if isinstance(obj, int) and not isinstance(obj, bool):
         if size is None:
             raise InvalidArgumentError("export_range(ptr, size): size in bytes is required with an int pointer")
-        return obj, _check_size(size), None
+        return obj, byte_count(size), None
     from cuda.core.utils import StridedMemoryView
 
     try:
@@ -163,8 +172,8 @@ def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
         if any(d > 1 and s != w for d, s, w in zip(view.shape, view.strides, reversed(want))):
             raise InvalidArgumentError("export_range needs a C-contiguous view; call .contiguous() first")
     if size is not None:
-        nbytes = _check_size(size)
-    return int(view.ptr), _check_size(nbytes), (obj, view)
+        nbytes = byte_count(size)
+    return int(view.ptr), byte_count(nbytes), (obj, view)
 
 
 def _vmm_chunks_after(ptr: int, chunk_end: int, end: int) -> tuple[list[int], int] | None:
@@ -275,13 +284,88 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
         dmabuf.close()
         where = (f"; the range crosses the boundary between separately created cuMemCreate chunks at {crossing}"
                  if boundaries else "")
-        raise NotSupportedError("cuMemGetHandleForAddressRange", "partial export", -1,
+        raise CudaNotSupportedError("cuMemGetHandleForAddressRange", "partial export", -1,
                                 f"the driver exported {got} of the {end - start} bytes of [0x{start:x}, 0x{end:x})"
                                 f"{where}")
-    buf = ExportedBuffer(mechanism="dmabuf", memory="range", handle=dmabuf, ptr=ptr, size=nbytes,
-                         offset=ptr - start, export_size=end - start, device=device,
-                         device_uuid=driver.device_uuid(device))
-    buf._keepalive = keep  # type: ignore[attr-defined]
-    buf.chunk_boundaries = boundaries  # type: ignore[attr-defined]
-    buf._push(dmabuf.close)
-    return buf
+    return RangeExportedBuffer(handle=dmabuf, ptr=ptr, size=nbytes, offset=ptr - start, export_size=end - start,
+                               device=device, device_uuid=driver.device_uuid(device), keepalive=keep,
+                               chunk_boundaries=boundaries)
+
+
+class RangeExportedBuffer(ExportedBuffer):
+    """An :func:`export_range` export: part of an allocation this library did not make.
+
+    It keeps the caller's object alive but never frees its memory; closing it
+    closes the dma-buf only.
+
+    Attributes:
+        chunk_boundaries: addresses where the range crosses from one ``cuMemCreate``
+            chunk into the next (empty for an ordinary allocation).
+    """
+
+    def __init__(self, *, handle: DmaBuf, ptr: int, size: int, offset: int, export_size: int, device: int,
+                 device_uuid: str, keepalive: Any, chunk_boundaries: list[int]) -> None:
+        super().__init__(mechanism="dmabuf", memory="range", handle=handle, ptr=ptr, size=size, offset=offset,
+                         export_size=export_size, device=device, device_uuid=device_uuid, cleanups=[handle.close])
+        self._keepalive = keepalive
+        self.chunk_boundaries = chunk_boundaries
+
+
+def import_dmabuf(fd_or_dmabuf: int | OwnedFd, size: int, device: int = 0, offset: int = 0) -> ImportedBuffer:
+    """Import a dma-buf into ``device``'s primary context and map ``[offset, offset+size)``.
+
+    Args:
+        fd_or_dmabuf: a dma-buf fd, its :class:`~.dmabuf.DmaBuf`, or the
+            :class:`~.fd.OwnedFd` it was received in; not consumed.
+        size: bytes to map (> 0).
+        device: CUDA ordinal of the importing device.
+        offset: byte offset of the mapping inside the dma-buf (for an
+            :class:`~.buffers.ExportedBuffer`, its ``offset``).
+
+    Returns:
+        ImportedBuffer(mechanism="dmabuf") with ``ptr`` = the mapped ``CUdeviceptr``.
+
+    Raises:
+        NotADmaBufError: the fd is closed or not a dma-buf (pipe, file, memfd...).
+        InvalidArgumentError: size <= 0, offset < 0, ``offset + size`` beyond
+            the dma-buf, or a bad device ordinal.
+        NotSupportedError: the driver cannot import dma-bufs
+            (``CUDA_ERROR_NOT_SUPPORTED`` from ``cuImportExternalMemory``, as
+            on driver 580 with H200).
+        CudaError: any other driver failure.
+    """
+    fd = fd_or_dmabuf.fd if isinstance(fd_or_dmabuf, OwnedFd) else fd_or_dmabuf  # DmaBuf is an OwnedFd
+    info = dmabuf_info(fd)  # NotADmaBufError for anything else
+    size = byte_count(size)
+    offset = byte_offset(offset)
+    if offset + size > info.size:
+        raise InvalidArgumentError(
+            f"offset {offset} + size {size} = {offset + size} bytes exceeds the dma-buf's {info.size} bytes")
+    driver.set_current(device)
+    with Transaction() as tx:
+        own = DmaBuf(os.dup(fd), info.size)
+        tx.push(own.close)  # runs last
+        ext = driver.import_external_memory_dmabuf(own.fd, info.size)
+        tx.push(driver.destroy_external_memory, ext)
+        ptr = driver.external_memory_mapped_buffer(ext, offset, size)
+        tx.push(_free_on, device, driver.mem_free, ptr)  # runs first
+        return ImportedBuffer(mechanism="dmabuf", ptr=ptr, size=size, device=device, cleanups=tx.commit())
+
+
+class DmaBufMechanism(Mechanism):
+    """dma-buf: the CUDA sample's path. ``memory`` is ``"host"`` (``cuMemAllocHost``) or ``"device"``."""
+
+    name = "dmabuf"
+
+    def __init__(self, memory: str = "host") -> None:
+        if memory not in ("host", "device"):
+            raise InvalidArgumentError(f"memory must be 'host' or 'device', got {memory!r}")
+        self.memory = memory
+        self.gate_attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if memory == "host" else "DMA_BUF_SUPPORTED"
+        self.pair_attributes = (self.gate_attribute, "DMA_BUF_SUPPORTED")
+
+    def export(self, size: int, device: int) -> ExportedBuffer:
+        return (export_host if self.memory == "host" else export_device)(size, device)
+
+    def import_(self, fd: int, descriptor: ShareDescriptor, device: int) -> ImportedBuffer:
+        return import_dmabuf(fd, descriptor.size, device, descriptor.offset)

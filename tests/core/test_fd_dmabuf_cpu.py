@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from dmabuf_interop import dmabuf as dmabuf_mod
-from dmabuf_interop.dmabuf import DMA_BUF_NAME_LEN, DmaBuf, dmabuf_info, is_dmabuf
+from dmabuf_interop import linux_dmabuf as dmabuf_mod
+from dmabuf_interop.linux_dmabuf import DMA_BUF_NAME_LEN, DmaBuf, dmabuf_info, is_dmabuf
 from dmabuf_interop.errors import DmaBufError, InvalidArgumentError, NotADmaBufError
 from dmabuf_interop.fd import OwnedFd, fd_is_open, open_fds
 

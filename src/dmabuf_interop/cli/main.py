@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Sequence
 
-from .buffers import MECHANISM_NAMES
+from ..kinds import MECHANISM_NAMES
 
 __all__ = ["main", "build_parser"]
 
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AttributeError, ValueError):
         pass
     args = build_parser().parse_args(argv)
-    from .errors import DmaBufError
+    from ..errors import DmaBufError
 
     try:
         if args.command == "info":

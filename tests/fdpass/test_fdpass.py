@@ -22,16 +22,15 @@ from dmabuf_interop.fd import fd_is_open, open_fds
 from dmabuf_interop.fdpass import (
     MAX_MESSAGE,
     encode_message,
-    reap_child,
     recv_fd,
     recv_message,
     recv_token,
     send_fd,
     send_message,
     send_token,
-    wait_child,
 )
-from tests.conftest import fork_child as _fork
+from dmabuf_interop.procs import reap_child, wait_child
+from tests.helpers import fork_child as _fork
 
 HEADER = struct.Struct(">I")
 
@@ -235,7 +234,7 @@ def test_send_to_closed_peer_is_peer_closed(pair, pipe):
 def test_timeout_in_bounded_wall_time(pair):
     a, b = pair
     t0 = time.monotonic()
-    with pytest.raises(errors.TimeoutError) as info:
+    with pytest.raises(errors.WaitTimeoutError) as info:
         recv_fd(b, timeout=0.2)
     elapsed = time.monotonic() - t0
     assert isinstance(info.value, builtins.TimeoutError)
@@ -256,7 +255,7 @@ def test_timeout_while_peer_never_writes(pair):
     a.close()
     try:
         t0 = time.monotonic()
-        with pytest.raises(errors.TimeoutError):
+        with pytest.raises(errors.WaitTimeoutError):
             recv_fd(b, timeout=0.3)
         assert time.monotonic() - t0 < 2.0
         with pytest.raises(builtins.TimeoutError):
@@ -269,7 +268,7 @@ def test_timeout_while_peer_never_writes(pair):
 def test_timeout_in_the_middle_of_a_message(pair):
     a, b = pair
     a.sendall(HEADER.pack(10) + b'{"a"')
-    with pytest.raises(errors.TimeoutError):
+    with pytest.raises(errors.WaitTimeoutError):
         recv_message(b, timeout=0.2)
 
 
@@ -388,7 +387,7 @@ def test_bad_fd_is_invalid_argument(pair, pipe):
     with pytest.raises(errors.InvalidArgumentError):
         send_fd(a, "3")  # type: ignore[arg-type]
     # Nothing was put on the wire by the rejected sends.
-    with pytest.raises(errors.TimeoutError):
+    with pytest.raises(errors.WaitTimeoutError):
         recv_message(b, timeout=0.05)
 
 
@@ -400,7 +399,7 @@ def test_unserialisable_message_is_invalid_argument(pair, pipe):
         send_message(a, {"x": float("nan")})
     with pytest.raises(errors.InvalidArgumentError):
         send_message(a, ["not", "a", "dict"])  # type: ignore[arg-type]
-    with pytest.raises(errors.TimeoutError):
+    with pytest.raises(errors.WaitTimeoutError):
         recv_message(b, timeout=0.05)
 
 
@@ -530,7 +529,7 @@ def test_token_eof_across_fork_skip_signal(pair):
 def test_token_timeout_and_bad_token(pair):
     a, b = pair
     t0 = time.monotonic()
-    with pytest.raises(errors.TimeoutError):
+    with pytest.raises(errors.WaitTimeoutError):
         recv_token(b, timeout=0.1)
     assert time.monotonic() - t0 < 2.0
     for bad in (b"", b"go"):
@@ -598,7 +597,7 @@ def test_wait_child_timeout_without_kill_raises_then_cleanup():
 
     pid = _fork(child)
     try:
-        with pytest.raises(errors.TimeoutError) as info:
+        with pytest.raises(errors.WaitTimeoutError) as info:
             wait_child(pid, timeout=0.1, kill_after=False)
         assert isinstance(info.value, builtins.TimeoutError)
         os.kill(pid, 0)  # still alive: it was not killed
