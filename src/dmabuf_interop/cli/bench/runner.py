@@ -201,7 +201,7 @@ def _outcome(roles: dict[str, _Role], out: dict[str, Any]) -> dict[str, Any]:
     elif unsupported:
         out["status"], out["reason"] = "unsupported", unsupported[0]
     elif errors:
-        out["status"], out["reason"] = "error", "; ".join(e for e in errors if e)
+        out["status"], out["reason"] = "error", "; ".join(errors)
     else:
         out["status"], out["reason"] = "ok", None
     return out
