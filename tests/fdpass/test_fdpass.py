@@ -610,5 +610,5 @@ def test_wait_child_timeout_without_kill_raises_then_cleanup():
 
 
 def test_wait_child_not_our_child():
-    with pytest.raises(ChildProcessError):
+    with pytest.raises(errors.SyscallError, match="not a child of this process"):
         wait_child(1, timeout=0.1)

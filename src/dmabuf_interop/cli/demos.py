@@ -28,6 +28,7 @@ needed.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -38,7 +39,7 @@ from typing import Any, TextIO
 from .. import capabilities
 from ..descriptor import ShareDescriptor
 from ..errors import (DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError,
-                      WaitTimeoutError)
+                      SyscallError, WaitTimeoutError)
 from ..fd import OwnedFd
 from ..fdpass import close_fds, recv_message, recv_token, send_message, send_token
 from ..mechanisms import Mechanism, get_mechanism
@@ -315,8 +316,9 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             sock.close()
             try:
                 wait_child(pid, 0 if kill else opts.timeout)
-            except ChildProcessError:  # already reaped by the demo that was interrupted
-                pass
+            except SyscallError as exc:  # ECHILD: already reaped by the demo that was interrupted
+                if exc.errno != errno.ECHILD:
+                    raise
         children.clear()
         return status
 
