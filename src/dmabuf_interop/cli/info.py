@@ -320,12 +320,17 @@ def _decide_posix(cuda: dict[str, Any], gpus: list[dict[str, Any]]) -> tuple[boo
 
 
 def _memfd() -> tuple[bool, str]:
-    """``memfd_create(2)`` in this process: host shared memory needs no GPU."""
+    """One page exported and imported in this process, as the demos do: host shared memory
+    needs no GPU (nor ``/proc``)."""
+    from ..errors import DmaBufError
+    from ..mechanisms.memfd import export_memfd, import_memfd
+
     try:
-        os.close(os.memfd_create("dmabuf-interop-info", os.MFD_CLOEXEC))
-    except (OSError, AttributeError) as exc:
-        return False, f"memfd_create failed: {exc}"
-    return True, "memfd_create works (host shared memory, no GPU involved)"
+        with export_memfd(4096) as exported, import_memfd(exported.fd, 4096):
+            pass
+    except DmaBufError as exc:
+        return False, f"memfd export and import failed: {exc}"
+    return True, "memfd_create and mmap work (host shared memory, no GPU involved)"
 
 
 def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -27,8 +27,7 @@ from .._checks import round_up as _round_up
 from ..buffers import ExportedBuffer, ImportedBuffer, Transaction
 from ..descriptor import ShareDescriptor
 from ..errors import InvalidArgumentError, NotSupportedError
-from ..fd import OwnedFd, fd_is_open, is_memfd
-from ..linux_dmabuf import is_dmabuf
+from ..fd import OwnedFd, fd_is_open, fd_kind
 from ._base import Mechanism
 
 __all__ = ["export_posix_fd", "import_posix_fd", "granularity", "PosixFdMechanism"]
@@ -47,25 +46,10 @@ def _not_a_handle(fd: int) -> str | None:
     (H200, driver 580). Its handles are character-device or anonymous-inode
     files, never FIFOs, sockets or regular files.
     """
-    import os
-    import stat
-
-    try:
-        mode = os.fstat(fd).st_mode
-        link = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    if stat.S_ISFIFO(mode):
-        return "a pipe"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if is_dmabuf(fd):
-        return "a dma-buf (import it with import_dmabuf)"
-    if is_memfd(fd):
-        return "a memfd (map it with import_memfd)"
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISBLK(mode):
-        return f"a file ({link!r})"
-    return None
+    kind = fd_kind(fd)
+    return {"pipe": "a pipe", "socket": "a socket", "dma-buf": "a dma-buf (import it with import_dmabuf)",
+            "memfd": "a memfd (map it with import_memfd)", "file": "a file", "directory": "a directory",
+            "block device": "a block device"}.get(kind)
 
 
 def granularity(device: int = 0) -> int:
