@@ -24,6 +24,7 @@ Interoperability" (https://docs.nvidia.com/cuda/cuda-driver-api/).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -69,9 +70,10 @@ def bindings() -> Any:
     if _drv is None:
         try:
             from cuda.bindings import driver as drv
-        except ImportError as exc:  # pragma: no cover - dependency is declared
-            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1, str(exc),
-                                reason="no-bindings") from exc
+        except ImportError as exc:  # a dependency, but an interpreter may lack it
+            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1,
+                                f"cuda-bindings is not installed for {sys.executable} ({exc}); "
+                                f"pip install cuda-bindings", reason="no-bindings") from exc
         _drv = drv
     return _drv
 
@@ -144,15 +146,48 @@ def init() -> None:
         try:
             err, = drv.cuInit(0)
         except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
-            raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1, str(exc)) from exc
+            raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1,
+                                f"no NVIDIA driver on this machine: libcuda.so.1 cannot be loaded ({exc})") from exc
         name = result_name(err)
-        reason = {"CUDA_ERROR_NO_DEVICE": "no-device", "CUDA_ERROR_STUB_LIBRARY": "no-driver",
-                  "CUDA_ERROR_INSUFFICIENT_DRIVER": "old-driver"}.get(name)
-        if reason is not None:
-            raise NoDriverError("cuInit", name, int(err), reason=reason)
+        if name == "CUDA_ERROR_NO_DEVICE":
+            raise NoDriverError("cuInit", name, int(err), _no_device_text(), reason="no-device")
+        if name == "CUDA_ERROR_STUB_LIBRARY":
+            raise NoDriverError("cuInit", name, int(err), "no NVIDIA driver on this machine: only the CUDA "
+                                "toolkit's stub libcuda.so was found", reason="no-driver")
+        if name == "CUDA_ERROR_INSUFFICIENT_DRIVER":
+            raise NoDriverError("cuInit", name, int(err), _old_driver_text(None), reason="old-driver")
         if int(err) != 0:
             raise_for("cuInit", err)
+        err, version = drv.cuDriverGetVersion()
+        if int(err) == 0 and int(version) < required_driver_version():
+            raise NoDriverError("cuDriverGetVersion", str(int(version)), -1, _old_driver_text(int(version)),
+                                reason="old-driver")
         _init_pid = os.getpid()
+
+
+def required_driver_version() -> int:
+    """The oldest driver API version these cuda-bindings run on, as ``cuDriverGetVersion`` counts
+    (``1000 * major``: CUDA's minor-version compatibility lets bindings for 13.x run on any 13.x
+    driver)."""
+    return int(bindings().CUDA_VERSION) // 1000 * 1000
+
+
+def _cuda(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _old_driver_text(version: int | None) -> str:
+    have = f"supports CUDA {_cuda(version)}" if version is not None else "is too old"
+    return (f"the NVIDIA driver {have}; cuda-bindings for CUDA {_cuda(int(bindings().CUDA_VERSION))} needs a "
+            f"driver for CUDA {_cuda(required_driver_version())} or newer")
+
+
+def _no_device_text() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return "the CUDA driver is loaded but finds no GPU (CUDA_VISIBLE_DEVICES is not set)"
+    return (f"the CUDA driver is loaded but this process sees no GPU: CUDA_VISIBLE_DEVICES={visible!r} "
+            f"names none of this machine's GPUs")
 
 
 def is_initialized() -> bool:

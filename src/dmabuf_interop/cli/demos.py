@@ -327,7 +327,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             try:
                 count = capabilities.device_count()
             except NoDriverError as exc:
-                say(f"No CUDA driver on this machine: {exc.detail or exc}")
+                say(f"CUDA is not usable here: {exc.detail or exc}")
                 say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
                 return finish(0)
             if not 0 <= opts.device < count:
