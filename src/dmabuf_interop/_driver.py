@@ -259,6 +259,23 @@ def device_uuid(ordinal: int) -> str:
     return cache[key]
 
 
+def ordinal_for_uuid(uuid: str) -> int | None:
+    """This process's ordinal of the GPU with ``uuid`` (``GPU-...``), or ``None`` when this process
+    cannot see it (``CUDA_VISIBLE_DEVICES``)."""
+    for i in range(device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+def invisible_gpu_text(what: str) -> str:
+    """Why memory on ``what`` (a GPU UUID, or a description) cannot be reached from this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"the exporter's GPU {what} is not visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={'unset' if visible is None else repr(visible)}; this process sees "
+            f"{device_count()} GPU(s)): include that GPU in CUDA_VISIBLE_DEVICES to import its memory")
+
+
 def device_pci_bus_id(ordinal: int) -> str:
     """``cuDeviceGetPCIBusId`` (``0000:3b:00.0``)."""
     raw = call(bindings().cuDeviceGetPCIBusId, 64, device(ordinal))
@@ -365,29 +382,51 @@ def mem_address_range(ptr: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
-def pointer_device_ordinal(ptr: int) -> int:
-    """The device that holds the memory at ``ptr``.
+_POINTER_ATTRIBUTES: Any = None
 
-    For CUDA VMM mappings (``cuMemMap``), which belong to no context, the
-    allocation's own location (``cuMemRetainAllocationHandle`` +
-    ``cuMemGetAllocationPropertiesFromHandle``); otherwise
-    ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)``.
+
+def pointer_facts(ptr: int) -> dict[str, int]:
+    """One ``cuPointerGetAttributes`` call: ``memory_type`` (``CUmemorytype`` value; 0 when CUDA
+    does not know ``ptr``), ``managed``, ``ordinal`` (``DEVICE_ORDINAL``, the context's device),
+    ``context`` (0 for CUDA VMM mappings, which belong to no context), ``range_start`` and
+    ``range_size`` (the allocation or ``cuMemCreate`` chunk holding ``ptr``), ``mapped`` and
+    ``mempool`` (non-zero for stream-ordered pool memory), all as ints.
+
+    Raises:
+        CudaError: ``CUDA_ERROR_INVALID_VALUE`` for a pointer outside unified addressing.
     """
+    global _POINTER_ATTRIBUTES
     drv = bindings()
-    err, handle = drv.cuMemRetainAllocationHandle(ptr)
-    if int(err) == 0:
-        try:
-            return vmm_allocation_device(handle)
-        finally:
-            vmm_release(handle)
-    return int(call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+    if _POINTER_ATTRIBUTES is None:
+        a = drv.CUpointer_attribute
+        _POINTER_ATTRIBUTES = [a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, a.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                               a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, a.CU_POINTER_ATTRIBUTE_CONTEXT,
+                               a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                               a.CU_POINTER_ATTRIBUTE_MAPPED, a.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE]
+    values = call(drv.cuPointerGetAttributes, len(_POINTER_ATTRIBUTES), _POINTER_ATTRIBUTES, ptr)
+    keys = ("memory_type", "managed", "ordinal", "context", "range_start", "range_size", "mapped", "mempool")
+    return {k: _as_int(v) for k, v in zip(keys, values)}
 
 
-def pointer_is_host(ptr: int) -> bool:
-    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`` is ``CU_MEMORYTYPE_HOST``."""
-    drv = bindings()
-    kind = call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
-    return int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+def _as_int(value: Any) -> int:
+    if value is None:
+        return 0
+    try:
+        return int(value)  # ints, bools, enums, CUdeviceptr
+    except TypeError:
+        return int(value.getPtr())  # handle types such as CUcontext and CUmemoryPool
+
+
+def memory_type_host() -> int:
+    """``CU_MEMORYTYPE_HOST`` as an int."""
+    return int(bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
+
+
+def host_alloc_flags(ptr: int) -> int | None:
+    """``cuMemHostGetFlags``: the flags of ``cuMemAllocHost``/``cuMemHostAlloc`` memory; ``None`` for
+    other host memory (``cuMemHostRegister``), for which the driver answers ``INVALID_VALUE``."""
+    err, flags = bindings().cuMemHostGetFlags(ptr)
+    return int(flags) if int(err) == 0 else None
 
 
 def memset_d8(ptr: int, value: int, nbytes: int) -> None:
