@@ -39,6 +39,7 @@ import weakref
 from typing import Any
 
 from ._time import deadline_after as _deadline
+from .fd import fd_is_open
 from .errors import (
     DmaBufError,
     FdLimitError,
@@ -289,20 +290,12 @@ def _fd_limit_error(narrived: int) -> FdLimitError | None:
     try:
         nopen = len(os.listdir("/proc/self/fd")) - 1
     except OSError:  # no /proc, or not one fd free: ask each number instead
-        nopen = sum(1 for fd in range(min(soft, 1 << 20)) if _is_open(fd))
+        nopen = sum(1 for fd in range(min(soft, 1 << 20)) if fd_is_open(fd))
     nopen += narrived  # as at the truncation
     if nopen + 1 < soft:
         return None
     return FdLimitError(f"fds were dropped by the kernel (MSG_CTRUNC): this process has {nopen} fds open "
                         f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1

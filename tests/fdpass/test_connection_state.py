@@ -14,7 +14,7 @@ import pytest
 
 from dmabuf_interop import errors, fdpass
 from dmabuf_interop.fd import open_fds
-from dmabuf_interop.fdpass import DEFAULT_TIMEOUT, SO_PASSPIDFD, encode_message, recv_message, send_message
+from dmabuf_interop.fdpass import DEFAULT_TIMEOUT, SO_PASSPIDFD, recv_message, send_message
 from dmabuf_interop.procs import wait_child
 from tests.helpers import fork_child
 
