@@ -40,7 +40,8 @@ def test_json_without_a_gpu_gives_the_reason(report: dict) -> None:
         pytest.skip(f"this machine has {n} GPU(s); the no-driver report is tested where none is present")
     cuda = report["cuda"]
     assert cuda["available"] is False and cuda["device_count"] == 0 and report["gpus"] == []
-    assert cuda["reason"].startswith(("no CUDA driver", "no CUDA device")), cuda["reason"]
+    assert cuda["reason_code"] == "no-driver" and cuda["reason"].startswith("no NVIDIA driver"), cuda
+
     assert cuda["worker"] == "ok"
     for key in ("dmabuf-host", "dmabuf-device", "posix-fd"):
         m = report["mechanisms"][key]
@@ -110,7 +111,7 @@ def test_child_that_stops_after_the_probes_line() -> None:
 
 def test_child_that_says_nothing() -> None:
     r = info.build_report(timeout=30, worker_argv=[sys.executable, "-c", "import sys; sys.exit('boom')"])
-    assert r["cuda"] == {"available": False, "reason": "probe child exited with status 1: boom",
+    assert r["cuda"] == {"available": False, "reason": "probe child exited with status 1: boom", "reason_code": "probe-failed",
                          "device_count": 0, "worker": "probe child exited with status 1: boom"}
     assert r["mechanisms"]["posix-fd"]["reason"] == r["cuda"]["reason"]
 

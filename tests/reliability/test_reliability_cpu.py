@@ -72,7 +72,7 @@ def forbid_driver(monkeypatch):
 
     for name in ("init", "bindings", "set_current", "device", "import_external_memory_dmabuf",
                  "external_memory_mapped_buffer", "vmm_import_posix_fd", "mem_alloc", "mem_alloc_host",
-                 "vmm_create", "pointer_device_ordinal"):
+                 "vmm_create", "pointer_facts"):
         monkeypatch.setattr(driver, name, refuse(name))
     yield calls
     assert calls == []

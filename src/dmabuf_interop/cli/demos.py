@@ -28,6 +28,7 @@ needed.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -38,7 +39,7 @@ from typing import Any, TextIO
 from .. import capabilities
 from ..descriptor import ShareDescriptor
 from ..errors import (DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError,
-                      WaitTimeoutError)
+                      SyscallError, WaitTimeoutError)
 from ..fd import OwnedFd
 from ..fdpass import close_fds, recv_message, recv_token, send_message, send_token
 from ..mechanisms import Mechanism, get_mechanism
@@ -315,8 +316,9 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             sock.close()
             try:
                 wait_child(pid, 0 if kill else opts.timeout)
-            except ChildProcessError:  # already reaped by the demo that was interrupted
-                pass
+            except SyscallError as exc:  # ECHILD: already reaped by the demo that was interrupted
+                if exc.errno != errno.ECHILD:
+                    raise
         children.clear()
         return status
 
@@ -325,7 +327,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             try:
                 count = capabilities.device_count()
             except NoDriverError as exc:
-                say(f"No CUDA driver on this machine: {exc.detail or exc}")
+                say(f"CUDA is not usable here: {exc.detail or exc}")
                 say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
                 return finish(0)
             if not 0 <= opts.device < count:

@@ -193,9 +193,10 @@ def _worker() -> int:
     from ..mechanisms.probes import probe_device
 
     _emit("bindings", built_for=_safe(lambda: _cuda_version(capabilities.bindings_version()), None))
-    ok, reason = capabilities.driver_status()
+    problem = capabilities.driver_problem()
+    ok = problem is None
     n = capabilities.device_count() if ok else 0
-    _emit("driver", ok=ok, reason=reason, count=n,
+    _emit("driver", ok=ok, reason="" if ok else problem[1], reason_code="" if ok else problem[0], count=n,
           version=_safe(lambda: _cuda_version(capabilities.driver_version()), None) if ok else None)
     for i in range(n):
         facts = _safe(lambda: capabilities.device_facts(i), None)
@@ -320,12 +321,17 @@ def _decide_posix(cuda: dict[str, Any], gpus: list[dict[str, Any]]) -> tuple[boo
 
 
 def _memfd() -> tuple[bool, str]:
-    """``memfd_create(2)`` in this process: host shared memory needs no GPU."""
+    """One page exported and imported in this process, as the demos do: host shared memory
+    needs no GPU (nor ``/proc``)."""
+    from ..errors import DmaBufError
+    from ..mechanisms.memfd import export_memfd, import_memfd
+
     try:
-        os.close(os.memfd_create("dmabuf-interop-info", os.MFD_CLOEXEC))
-    except (OSError, AttributeError) as exc:
-        return False, f"memfd_create failed: {exc}"
-    return True, "memfd_create works (host shared memory, no GPU involved)"
+        with export_memfd(4096) as exported, import_memfd(exported.fd, 4096):
+            pass
+    except DmaBufError as exc:
+        return False, f"memfd export and import failed: {exc}"
+    return True, "memfd_create and mmap work (host shared memory, no GPU involved)"
 
 
 def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -338,10 +344,12 @@ def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None
     drv = (by_kind.get("driver") or [None])[0]
     system["cuda_bindings_built_for"] = (by_kind.get("bindings") or [{}])[0].get("built_for")
     if drv is None:
-        cuda = {"available": False, "reason": failure or "probe child reported nothing", "device_count": 0}
+        cuda = {"available": False, "reason": failure or "probe child reported nothing", "reason_code": "probe-failed",
+                "device_count": 0}
     else:
         system["cuda_driver_version"] = drv.get("version")
-        cuda = {"available": bool(drv["ok"]), "reason": drv.get("reason", ""), "device_count": int(drv["count"])}
+        cuda = {"available": bool(drv["ok"]), "reason": drv.get("reason", ""), "reason_code": drv.get("reason_code", ""),
+                "device_count": int(drv["count"])}
     cuda["worker"] = failure or "ok"
     missing = f"unknown ({failure})" if failure else "unknown"
     probes = {d["ordinal"]: d["probes"] for d in by_kind.get("probes", [])}

@@ -139,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     args = build_parser().parse_args(argv)
     from ..errors import DmaBufError
+    from ..procs import make_children_waitable
+
+    make_children_waitable()  # an inherited SIGCHLD SIG_IGN would lose every child's exit status
 
     try:
         if args.command == "info":

@@ -114,10 +114,14 @@ def import_shared(fd: int, descriptor: ShareDescriptor | Mapping[str, Any], devi
         fd: the received fd; not consumed.
         descriptor: a :class:`~dmabuf_interop.descriptor.ShareDescriptor`, or the JSON
             object received beside the fd (validated with ``ShareDescriptor.from_json``).
-        device: the importing CUDA ordinal (ignored for memfd).
+        device: the importing CUDA ordinal in this process (ignored for memfd). The exporter's
+            GPU is matched by ``device_uuid``, never by its ordinal (``exporter_device`` is the
+            exporter's own).
 
     Raises:
         ProtocolError: the descriptor is malformed; the message names the field.
+        NotSupportedError: this process cannot see the exporter's GPU (posix-fd); the message
+            names its UUID and ``CUDA_VISIBLE_DEVICES``.
         NotSupportedError, CudaError, SyscallError: from the mechanism's importer.
     """
     desc = ShareDescriptor.from_json(descriptor)
