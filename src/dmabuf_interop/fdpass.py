@@ -109,16 +109,17 @@ def _check_unix(sock: socket.socket) -> None:
 _MAX_POLL_MS = 2**31 - 1
 
 
-def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
+def _wait(sock: socket.socket, events: int, deadline: float | None, timed_out: str) -> None:
+    """``poll(2)`` ``sock`` for ``events`` until ``deadline``; past it raise WaitTimeoutError(``timed_out``)."""
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    poller.register(sock, events)
     while True:
         if deadline is None:
             timeout_ms = -1
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeoutError(f"timed out waiting for {what}")
+                raise WaitTimeoutError(timed_out)
             # Compare as floats first: int() of an infinite or huge timeout overflows poll().
             timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))
         if poller.poll(timeout_ms):  # PEP 475: EINTR is retried for us
@@ -126,8 +127,12 @@ def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> No
         # Empty: a slice of a long wait ended, or rounding woke us early; the deadline decides.
 
 
-def encode_message(obj: dict[str, Any]) -> bytes:
-    """Frame a JSON object: 4-byte big-endian length, then UTF-8 JSON.
+def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
+    _wait(sock, select.POLLIN | select.POLLHUP | select.POLLERR, deadline, f"timed out waiting for {what}")
+
+
+def encode_message(obj: dict[str, Any], max_bytes: int = MAX_MESSAGE) -> bytes:
+    """Frame a JSON object: 4-byte big-endian length, then UTF-8 JSON of at most ``max_bytes``.
 
     Raises:
         InvalidArgumentError: not a dict, not JSON-serialisable, or too large.
@@ -138,12 +143,12 @@ def encode_message(obj: dict[str, Any]) -> bytes:
         body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"message is not JSON-serialisable: {exc}") from exc
-    if len(body) > MAX_MESSAGE:
-        raise InvalidArgumentError(f"message body is {len(body)} bytes, more than {MAX_MESSAGE}")
+    if len(body) > max_bytes:
+        raise InvalidArgumentError(f"message body is {len(body)} bytes, more than {max_bytes}")
     return _HEADER.pack(len(body)) + body
 
 
-def decode_message(frame: bytes) -> dict[str, Any]:
+def decode_message(frame: bytes, max_bytes: int = MAX_MESSAGE) -> dict[str, Any]:
     """Inverse of :func:`encode_message` for one complete frame.
 
     Raises:
@@ -152,8 +157,8 @@ def decode_message(frame: bytes) -> dict[str, Any]:
     if len(frame) < _HEADER.size:
         raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its {_HEADER.size}-byte header")
     (n,) = _HEADER.unpack_from(frame)
-    if n > MAX_MESSAGE:
-        raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+    if n > max_bytes:
+        raise ProtocolError(f"frame announces {n} bytes, more than {max_bytes}")
     if len(frame) != _HEADER.size + n:
         raise ProtocolError(f"frame announces {n} bytes but carries {len(frame) - _HEADER.size}")
     try:
@@ -166,18 +171,7 @@ def decode_message(frame: bytes) -> dict[str, Any]:
 
 
 def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    while True:
-        if deadline is None:
-            timeout_ms = -1
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WaitTimeoutError("timed out sending a message: the peer is not reading (socket buffer full)")
-            timeout_ms = _MAX_POLL_MS if left * 1000 >= _MAX_POLL_MS else max(1, int(left * 1000))
-        if poller.poll(timeout_ms):
-            return
+    _wait(sock, select.POLLOUT, deadline, "timed out sending a message: the peer is not reading (socket buffer full)")
 
 
 def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float | None) -> None:
@@ -220,7 +214,7 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
 
 
 def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None, *,
-                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = DEFAULT_TIMEOUT, max_bytes: int = MAX_MESSAGE) -> None:
     """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
 
     The sender keeps its own fd: the kernel installs a new descriptor for the
@@ -231,6 +225,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
     Args:
         timeout: seconds the whole message may take to leave (default
             :data:`DEFAULT_TIMEOUT`, 60 s); ``None`` waits forever.
+        max_bytes: the largest JSON body allowed (default :data:`MAX_MESSAGE`, 64 KiB).
 
     Raises:
         InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
@@ -243,7 +238,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
         SyscallError: any other ``sendmsg`` failure.
     """
     _check_unix(sock)
-    data = encode_message(obj)
+    data = encode_message(obj, max_bytes)
     if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
         raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
     _send_all(sock, data, fd, _deadline(timeout))
@@ -298,8 +293,8 @@ def _fd_limit_error(narrived: int) -> FdLimitError | None:
                         f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
 
 
-def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1
-                 ) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1,
+                 max_bytes: int = MAX_MESSAGE) -> tuple[dict[str, Any], list[int]]:
     """Receive one framed message and the fds that rode on it.
 
     The whole frame is read before the message is judged, so a rejected message
@@ -311,6 +306,8 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
         timeout: seconds to wait for the whole message (default :data:`DEFAULT_TIMEOUT`,
             60 s); ``None`` waits forever.
         max_fds: how many fds the message may carry (more is a ProtocolError).
+        max_bytes: the largest JSON body accepted (default :data:`MAX_MESSAGE`, 64 KiB);
+            a larger announced length is a ProtocolError before any of it is read.
 
     Returns:
         ``(message, fds)``; the caller owns every fd in ``fds`` (close-on-exec).
@@ -334,7 +331,7 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
     try:
         # On a stream socket read only the header first, so that the next message
         # (and any fd riding on it) is never swallowed together with this one.
-        data, flags = _recvmsg(sock, _HEADER.size if stream else _HEADER.size + MAX_MESSAGE, fds)
+        data, flags = _recvmsg(sock, _HEADER.size if stream else _HEADER.size + max_bytes, fds)
         if not data:
             if fds:
                 raise ProtocolError("fds arrived with no message bytes")
@@ -345,8 +342,8 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
             more, more_flags = _recv_more(sock, _HEADER.size - len(data), deadline, fds)
             data, flags = data + more, flags | more_flags
         (n,) = _HEADER.unpack_from(data)
-        if n > MAX_MESSAGE:
-            raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+        if n > max_bytes:
+            raise ProtocolError(f"frame announces {n} bytes, more than {max_bytes}")
         want = _HEADER.size + n
         while len(data) < want:
             more, more_flags = _recv_more(sock, want - len(data), deadline, fds)
@@ -367,7 +364,7 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
             raise ProtocolError("fds arrived after the first byte of a message; all were closed")
         if len(fds) > max_fds:
             raise ProtocolError(f"message carried {len(fds)} fds, at most {max_fds} expected; all were closed")
-        return decode_message(data), fds
+        return decode_message(data, max_bytes), fds
     except BaseException as exc:
         close_fds(fds)
         if started:
