@@ -158,7 +158,9 @@ def import_shared(fd: int, descriptor: ShareDescriptor | Mapping[str, Any], devi
 
     Raises:
         ProtocolError: the descriptor is malformed; the message names the field.
-        NotSupportedError, CudaError, SyscallError: from the mechanism's importer.
+        NotSupportedError: the mechanism cannot import here (from its importer).
+        CudaError: a driver call of the import failed.
+        SyscallError: a syscall of the import failed (memfd).
     """
     desc = ShareDescriptor.from_json(descriptor)
     return get_mechanism(desc.mechanism, "device").import_(fd, desc, device)
