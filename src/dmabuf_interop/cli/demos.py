@@ -59,6 +59,7 @@ ACK = b"A"
 #: The "go" bytes: each names the (mechanism, memory) the child exports with.
 GO: dict[bytes, tuple[str, str]] = {b"G": ("dmabuf", "host"), b"D": ("dmabuf", "device"),
                                     b"P": ("posix-fd", "device"), b"M": ("memfd", "host")}
+#: ``--mechanism auto``: the sample's path, then the first mechanism that works here.
 AUTO = "auto"
 
 
@@ -331,7 +332,7 @@ def _auto(opts: DemoOptions, count: int | None, say: _Printer) -> Mechanism:
     return mech
 
 
-def _open_device(mech: Mechanism, opts: DemoOptions, say: _Printer) -> int | None:
+def _open_device(opts: DemoOptions, say: _Printer) -> int | None:
     """Print the device line; the number of CUDA devices, or ``None`` without a driver.
 
     Raises:
@@ -385,7 +386,7 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
     try:
         if mech is None or mech.uses_cuda:
             try:
-                count = _open_device(mech or get_mechanism("dmabuf", opts.memory), opts, say)
+                count = _open_device(opts, say)
             except InvalidArgumentError as exc:
                 print(f"dmabuf-interop: error: {exc}", file=sys.stderr)
                 return finish(2)

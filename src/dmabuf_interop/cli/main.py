@@ -28,6 +28,7 @@ from typing import Sequence
 from .. import __version__
 from ..kinds import MECHANISM_NAMES
 from ._units import SIZE_FORMS, parse_size
+from .demos import AUTO
 
 __all__ = ["main", "build_parser"]
 
@@ -42,8 +43,6 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-#: ``--mechanism`` choices: ``auto`` (the default) tries the sample's path, then the first that works here.
-AUTO = "auto"
 #: Longest wait handed to subprocess and poll (about 11.6 days; poll takes an int of ms); longer ``--timeout`` values mean this.
 MAX_WAIT = 1e6
 
