@@ -145,9 +145,9 @@ def init() -> None:
         drv = bindings()
         try:
             err, = drv.cuInit(0)
-        except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
+        except RuntimeError as exc:  # cuda-pathfinder's "Failed to dlopen libcuda.so.1" (kept as __cause__)
             raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1,
-                                f"no NVIDIA driver on this machine: libcuda.so.1 cannot be loaded ({exc})") from exc
+                                "no NVIDIA driver on this machine: libcuda.so.1 cannot be loaded") from exc
         name = result_name(err)
         if name == "CUDA_ERROR_NO_DEVICE":
             raise NoDriverError("cuInit", name, int(err), _no_device_text(), reason="no-device")

@@ -116,7 +116,7 @@ def _usage_error(*args: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("sizes", ["4K,abc", "6", "0", "", "4T", "-4K", "0o10", "0b100", "4_096", "+4096", "4097G"])
+@pytest.mark.parametrize("sizes", ["4K,abc", "6", "0", "", "5T", "-4K", "0o10", "0b100", "4_096", "+4096", "4097G"])
 def test_bad_sizes_exit_2_with_one_line(sizes):
     assert "--sizes" in _usage_error("--sizes", sizes)
 
@@ -157,9 +157,9 @@ def test_bad_mechanism_devices_and_reps_exit_2():
 
 def test_parse_size_forms():
     for text, value in (("4096", 4096), ("0x1000", 4096), ("4K", 4096), ("4KiB", 4096), ("4k", 4096),
-                        ("1M", 1 << 20), ("2G", 2 << 30), (" 8 ", 8), ("4096G", MAX_SIZE)):
+                        ("4KB", 4096), ("1M", 1 << 20), ("2G", 2 << 30), ("4096G", MAX_SIZE), ("4T", MAX_SIZE)):
         assert parse_size(text) == value, text
-    for text in ("0o10", "0b100", "4_096", "+4096", "-1", "0", "", "4T", "4KB", "1.5M", "4097G", "٤"):
+    for text in ("0o10", "0b100", "4_096", "+4096", "-1", "", "1.5M", "4097G", "5T", "٤", " 8"):
         with pytest.raises(ValueError, match="invalid size"):
             parse_size(text)
 

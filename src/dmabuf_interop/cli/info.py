@@ -84,10 +84,13 @@ def read_kernel_config(paths: Sequence[str | os.PathLike[str]] | None = None,
 
 
 def nvidia_driver(path: str | os.PathLike[str] = "/proc/driver/nvidia/version") -> tuple[str | None, str]:
-    """``(driver version, "open" | "proprietary" | "unknown")`` from the first line of
-    ``/proc/driver/nvidia/version``; the open module's line says ``Open Kernel Module``."""
+    """``(driver version, "open" | "proprietary" | "absent" | "unknown")`` from the first line of
+    ``/proc/driver/nvidia/version``; the open module's line says ``Open Kernel Module``;
+    ``absent``: the file does not exist (no NVIDIA kernel module loaded); ``unknown``: unreadable."""
     try:
         first = Path(path).read_text(errors="replace").splitlines()[0]
+    except FileNotFoundError:
+        return None, "absent"
     except (OSError, IndexError):
         return None, "unknown"
     m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", first)
@@ -394,7 +397,8 @@ def format_report(r: dict[str, Any]) -> str:
     """The one-screen text form of :func:`build_report`'s dict."""
     s, c = r["system"], r["cuda"]
     drv = s["nvidia_driver_version"] or "unknown"
-    mod = {"open": "open kernel module", "proprietary": "proprietary kernel module"}.get(
+    mod = {"open": "open kernel module", "proprietary": "proprietary kernel module",
+           "absent": "/proc/driver/nvidia/version absent"}.get(
         s["nvidia_kernel_module"], "/proc/driver/nvidia/version not readable")
     cfg = " ".join(f"{k[7:]}={v}" for k, v in s["kernel_config"].items())
     io = s["iommu"]
@@ -422,7 +426,9 @@ def format_report(r: dict[str, Any]) -> str:
     out += ["", "Mechanisms"]
     for key, m in r["mechanisms"].items():
         state = {True: "usable", False: "not usable", None: "unknown"}[m["usable"]]
-        line = f"  {key:<14} {state:<11} {m['reason']}"
+        # The no-driver reason is printed once, on the CUDA line above.
+        reason = "CUDA not available (above)" if not c["available"] and m["reason"] == c["reason"] else m["reason"]
+        line = f"  {key:<14} {state:<11} {reason}"
         out.append(line)
         if key != "memfd" and c["available"]:
             pair = m["pair"]

@@ -134,7 +134,8 @@ def export_device(size: int, device: int = 0) -> ExportedBuffer:
     Raises:
         NotSupportedError: ``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`` = 0 or the
             driver answered ``CUDA_ERROR_NOT_SUPPORTED``.
-        CudaError, InvalidArgumentError: as :func:`export_host`.
+        CudaError: as :func:`export_host`.
+        InvalidArgumentError: as :func:`export_host`.
     """
     return _export_allocation(size, device, "device", "DMA_BUF_SUPPORTED", driver.mem_alloc, driver.mem_free)
 

@@ -42,13 +42,13 @@ def parse_sizes(text: str) -> list[int]:
             refuses, or a size that is not a multiple of 4 bytes (the read kernel reads 32-bit words).
     """
     out: list[int] = []
-    for part in text.split(","):
+    for part in (p.strip() for p in text.split(",")):
         try:
             n = parse_size(part)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if n % 4:
-            raise argparse.ArgumentTypeError(f"invalid size {part.strip()!r}: must be a multiple of 4 bytes")
+        if n <= 0 or n % 4:
+            raise argparse.ArgumentTypeError(f"invalid size {part.strip()!r}: must be a positive multiple of 4 bytes")
         if n not in out:
             out.append(n)
     return out
