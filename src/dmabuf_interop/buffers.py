@@ -28,7 +28,7 @@ from .descriptor import ShareDescriptor
 from .errors import InvalidArgumentError
 from .fd import OwnedFd
 
-__all__ = ["Transaction", "Owner", "ExportedBuffer", "ImportedBuffer", "array_shape"]
+__all__ = ["Transaction", "Owner", "ExportedBuffer", "ImportedBuffer", "array_shape", "mapped_buffer"]
 
 Cleanup = Callable[[], None]
 
@@ -147,6 +147,66 @@ def array_shape(nbytes: int, dtype: Any, shape: Sequence[int] | None) -> tuple[A
     return dt, dims, need
 
 
+_MAPPED_RESOURCE: Any = None
+
+
+def _mapped_resource_class() -> Any:
+    """A ``cuda.core.MemoryResource`` that owns nothing: it names the device a mapping is
+    accessible from and keeps the mapping's owner alive; ``deallocate`` does nothing."""
+    global _MAPPED_RESOURCE
+    if _MAPPED_RESOURCE is None:
+        from cuda.core import MemoryResource
+
+        class MappedResource(MemoryResource):
+            def __init__(self, device: int, owner: Any) -> None:
+                self._device = device
+                self._owner = owner
+
+            def allocate(self, size: int, *, stream: Any = None) -> Any:
+                raise InvalidArgumentError("a mapping of shared memory allocates nothing")
+
+            def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+                pass  # the owner unmaps when it is closed
+
+            @property
+            def is_device_accessible(self) -> bool:
+                return True
+
+            @property
+            def is_host_accessible(self) -> bool:
+                return False
+
+            @property
+            def is_managed(self) -> bool:
+                return False
+
+            @property
+            def device_id(self) -> int:
+                return self._device
+
+        _MAPPED_RESOURCE = MappedResource
+    return _MAPPED_RESOURCE
+
+
+def mapped_buffer(ptr: int, size: int, device: int, owner: Any) -> Any:
+    """A non-owning ``cuda.core.Buffer`` over ``size`` bytes mapped at ``ptr``, reported (DLPack
+    ``__dlpack_device__``) on ``device``, the GPU the mapping is accessible from; it keeps ``owner`` alive.
+
+    ``Buffer.from_handle(ptr, size, owner=...)`` would ask the driver for the pointer's
+    device, which for a VMM mapping is the GPU that holds the memory, not the importer's:
+    torch and CuPy would then use a GPU the mapping grants no access to.
+
+    Raises:
+        CudaError: no context could be made current on ``device``.
+    """
+    from cuda.core import Buffer
+
+    from . import _driver
+
+    stream = _driver.set_current(device).default_stream
+    return Buffer.from_handle(ptr, size, mr=_mapped_resource_class()(device, owner), stream=stream)
+
+
 class ExportedBuffer(Owner):
     """Memory shared by an exporter, with the fd that names it.
 
@@ -262,9 +322,7 @@ class ImportedBuffer(Owner):
         Raises:
             InvalidArgumentError: the buffer is closed.
         """
-        from cuda.core import Buffer
-
-        return Buffer.from_handle(self.ptr, self.size, owner=self)
+        return mapped_buffer(self.ptr, self.size, self.device, self)
 
     def as_array(self, dtype: Any = "uint8", shape: Sequence[int] | None = None) -> Any:
         """A typed, C-contiguous view that ``torch.from_dlpack`` and ``cupy.from_dlpack`` take.

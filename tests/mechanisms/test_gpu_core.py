@@ -18,6 +18,7 @@ from dmabuf_interop import capabilities
 from dmabuf_interop.linux_dmabuf import DmaBuf, is_dmabuf
 from dmabuf_interop.errors import CudaError, InvalidArgumentError, NotSupportedError
 from dmabuf_interop.fd import open_fds
+from dmabuf_interop.mechanisms.probes import probe_device
 from tests.helpers import env_with_src
 
 pytestmark = pytest.mark.gpu
@@ -216,7 +217,7 @@ def test_export_range_names_page_and_misalignment_when_range_leaves_allocation()
 
 def test_kernels_are_cached_on_disk(tmp_path):
     code = ("from dmabuf_interop.kernels import write_pattern, count_mismatches;"
-            "from dmabuf_interop import driver; driver.set_current(0); p = driver.mem_alloc(4096);"
+            "from dmabuf_interop import _driver as driver; driver.set_current(0); p = driver.mem_alloc(4096);"
             "write_pattern(p, 4096, 0); print(count_mismatches(p, 4096, 0)); driver.mem_free(p)")
     env = env_with_src()
     env["DMABUF_INTEROP_CACHE_DIR"] = str(tmp_path)
@@ -233,7 +234,7 @@ def test_kernels_are_cached_on_disk(tmp_path):
 
 
 def test_fork_after_init_raises_a_clear_error():
-    code = ("import os\nfrom dmabuf_interop import driver\nfrom dmabuf_interop.errors import ForkedAfterInitError\n"
+    code = ("import os\nfrom dmabuf_interop import _driver as driver\nfrom dmabuf_interop.errors import ForkedAfterInitError\n"
             "driver.set_current(0)\npid = os.fork()\nif pid == 0:\n"
             "    try:\n        driver.set_current(0)\n    except ForkedAfterInitError as e:\n"
             "        print('FORK-ERROR', e, flush=True); os._exit(0)\n    os._exit(3)\n"
@@ -245,7 +246,7 @@ def test_fork_after_init_raises_a_clear_error():
 
 
 def test_probes_report_every_path():
-    probes = capabilities.probe_device(0)
+    probes = probe_device(0)
     for key in capabilities.PROBES:
         assert probes[key].status in ("ok", "unsupported", "unknown"), key
     assert probes["posix_fd_export"].status == "ok"
@@ -270,7 +271,7 @@ def test_export_shareable_records_why_it_fell_back():
     from dmabuf_interop.mechanisms import export_shareable, import_shared
 
     with export_shareable(16384, 0) as exp:
-        probes = capabilities.probe_device(0)
+        probes = probe_device(0)
         if probes["dmabuf_import"].status == "ok":
             assert exp.mechanism == "dmabuf" and exp.fallback is None
         else:

@@ -44,7 +44,7 @@ MEM_TOLERANCE = 8 * MiB
 
 def _scenario(name: str, *args: Any, timeout: float = 180) -> dict[str, Any]:
     code = ("import json, sys\n"
-            "from tests import test_reliability_gpu as t\n"
+            "from tests.reliability import test_reliability_gpu as t\n"
             f"r = t.scenario_{name}(*{args!r})\n"
             "sys.stdout.flush()\n"
             "print('RESULT ' + json.dumps(r), flush=True)\n")
