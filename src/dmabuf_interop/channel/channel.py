@@ -211,11 +211,12 @@ class Received:
         return self._device_view(np.dtype("uint16") if d.dtype == "bfloat16" else np.dtype(d.dtype))
 
     def _device_view(self, dt: Any) -> Any:
-        from cuda.core import Buffer
         from cuda.core.utils import StridedMemoryView
 
+        from ..buffers import mapped_buffer
+
         d = self.descriptor
-        buf = Buffer.from_handle(self._ptr, self._span(), owner=self)
+        buf = mapped_buffer(self._ptr, self._span(), self.device, self)
         return StridedMemoryView.from_buffer(buf, d.shape, tuple(s // d.itemsize for s in d.strides), dtype=dt)
 
     def as_tensor(self) -> Any:

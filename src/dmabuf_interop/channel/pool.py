@@ -349,10 +349,11 @@ class SharedPool:
                             (holder, block.chunk.host_keepalive(block.offset, block.size)))
             arr = np.asarray(view)
             return arr.view(numpy_dtype(name)) if name == "bfloat16" else arr
-        from cuda.core import Buffer
         from cuda.core.utils import StridedMemoryView
 
-        buf = Buffer.from_handle(block.ptr, max(nbytes, 1), owner=holder)
+        from ..buffers import mapped_buffer
+
+        buf = mapped_buffer(block.ptr, max(nbytes, 1), self.device, holder)
         dt = np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
         return StridedMemoryView.from_buffer(buf, shape, tuple(s // itemsize for s in strides), dtype=dt)
 
