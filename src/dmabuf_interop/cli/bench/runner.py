@@ -179,6 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_seconds, default=300.0,
                    help="seconds to wait for the next record from a benchmark process; a record comes after all "
                         "repetitions of one size, so allow for --reps (default 300)")
+    __import__(f"{__package__}.weight_sync", fromlist=["_"]).add_arguments(p)
 
 
 # --- statistics and formatting -----------------------------------------------------------
@@ -715,6 +716,8 @@ def plot(results: dict[str, Any], path: str) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "workload", None):
+        return __import__(f"{__package__}.weight_sync", fromlist=["_"]).main(args)
     sizes: list[int] = args.sizes
     names: list[str] = args.mechanisms
     producer, consumer = args.devices
