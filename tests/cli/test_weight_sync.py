@@ -6,6 +6,7 @@ Timings are never asserted; checksums, statuses and the JSON layout are.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -36,8 +37,9 @@ def test_shapes_follow_the_public_configs():
 @pytest.mark.parametrize("workload", ["ws-8b", "ws-moe"])
 def test_host_workload_runs_in_real_processes(tmp_path, workload):
     path = tmp_path / "ws.json"
+    plot = ["--plot", str(tmp_path / "ws.png")] if importlib.util.find_spec("matplotlib") else []
     out = run_cli("bench", "--workload", workload, "--small", "--host", "--reps", "4", "--warmup", "1",
-                  "--json", str(path), "--plot", str(tmp_path / "ws.png"))
+                  "--json", str(path), *plot)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and "targets:" in out.stdout
     data = json.loads(path.read_text())
