@@ -586,3 +586,69 @@ def vmm_allocation_device(handle: Any) -> int:
 def vmm_retain_handle(ptr: int) -> Any:
     """``cuMemRetainAllocationHandle``: the physical allocation mapped at ``ptr``."""
     return call(bindings().cuMemRetainAllocationHandle, ptr)
+
+
+# --- channels: interprocess events and asynchronous copies ----------------------
+
+def event_create_interprocess() -> Any:
+    """``cuEventCreate(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)`` in the current context."""
+    drv = bindings()
+    flags = int(drv.CUevent_flags.CU_EVENT_INTERPROCESS) | int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    return call(drv.cuEventCreate, flags)
+
+
+def event_destroy(event: Any) -> None:
+    """``cuEventDestroy``."""
+    call(bindings().cuEventDestroy, event)
+
+
+def event_record(event: Any, stream: int) -> None:
+    """``cuEventRecord`` of ``event`` on the stream handle ``stream`` (0: the legacy default stream)."""
+    drv = bindings()
+    call(drv.cuEventRecord, event, drv.CUstream(stream))
+
+
+def event_synchronize(event: Any) -> None:
+    """``cuEventSynchronize``: block the calling thread until ``event`` has completed."""
+    call(bindings().cuEventSynchronize, event)
+
+
+def ipc_get_event_handle(event: Any) -> bytes:
+    """``cuIpcGetEventHandle``: the 64-byte handle another process opens with :func:`ipc_open_event_handle`."""
+    import ctypes
+
+    handle = call(bindings().cuIpcGetEventHandle, event)
+    # The bindings expose the struct's 64 opaque bytes only through its address.
+    return ctypes.string_at(handle.getPtr(), 64)
+
+
+def ipc_open_event_handle(raw: bytes) -> Any:
+    """``cuIpcOpenEventHandle`` of a 64-byte handle from :func:`ipc_get_event_handle` (current context)."""
+    import ctypes
+
+    if len(raw) != 64:
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"an IPC event handle is 64 bytes, got {len(raw)}")
+    drv = bindings()
+    handle = drv.CUipcEventHandle()
+    ctypes.memmove(handle.getPtr(), raw, 64)
+    return call(drv.cuIpcOpenEventHandle, handle)
+
+
+def stream_wait_event(stream: int, event: Any) -> None:
+    """``cuStreamWaitEvent``: later work on ``stream`` waits for ``event``."""
+    drv = bindings()
+    call(drv.cuStreamWaitEvent, drv.CUstream(stream), event, 0)
+
+
+def stream_synchronize(stream: int) -> None:
+    """``cuStreamSynchronize`` of the stream handle ``stream``."""
+    drv = bindings()
+    call(drv.cuStreamSynchronize, drv.CUstream(stream))
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cuMemcpyAsync`` (unified addressing: device or host pointers) on ``stream``."""
+    drv = bindings()
+    call(drv.cuMemcpyAsync, dst, src, nbytes, drv.CUstream(stream))

@@ -16,8 +16,10 @@ Callers branch on meaning, not on strings::
     ├── FdPassError                    SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError            the peer closed its end (EOF)
     │   ├── FdsInFlightError           sendmsg -> ETOOMANYREFS: too many fds queued unread at the peer
-    │   └── ProtocolError              a malformed message: no fd, too many fds, bad framing, bad field
-    │       └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
+    │   ├── ProtocolError              a malformed message: no fd, too many fds, bad framing, bad field
+    │   │   └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
+    │   └── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
+    ├── PoolExhaustedError             a shared pool had no free block within the timeout
     └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
 
 Every error pickles with its class, message and attributes, so it crosses a
@@ -48,6 +50,8 @@ __all__ = [
     "FdLimitError",
     "FdsInFlightError",
     "WaitTimeoutError",
+    "PeerRefusedError",
+    "PoolExhaustedError",
 ]
 
 
@@ -192,3 +196,12 @@ class FdLimitError(ProtocolError):
 
 class WaitTimeoutError(DmaBufError, builtins.TimeoutError):
     """A wait (socket receive or send, child exit, probe, lease) ran past its deadline."""
+
+
+class PeerRefusedError(FdPassError):
+    """A channel peer was refused: its credentials (``SO_PEERCRED``), protocol
+    version or host did not pass the other side's checks. ``str()`` says why."""
+
+
+class PoolExhaustedError(DmaBufError):
+    """A shared pool had no free block of the requested size within the timeout."""

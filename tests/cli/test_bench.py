@@ -77,6 +77,28 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     assert data["plot"] is None
 
 
+def test_channel_host_bench_runs_and_writes_json(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--mechanisms", "channel-host", "--sizes", "4K,1M", "--reps", "5",
+                  "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    data = _load(path)
+    assert data["config"]["mechanisms"] == ["channel-host"] and data["config"]["sizes"] == [4096, 1 << 20]
+    mech = data["mechanisms"]["channel-host"]
+    assert mech["status"] == "ok" and mech["kind"] == "ours", mech
+    assert "devices" not in mech  # CUDA-free: a host pool
+    _check_cells(mech, [4096, 1 << 20])
+    for cell in mech["cells"]:
+        assert cell["reps"] == 5
+        assert all(len(v) == 5 for v in cell["samples_us"].values())
+        # the pool was exported before t0: a hand-off exports nothing
+        assert cell["samples_us"]["export"] == [0.0] * 5
+        for phase in ("transport", "import_map", "first_access"):
+            assert all(x >= 0 for x in cell["samples_us"][phase])
+        assert cell["phases_us"]["total"]["median"] >= cell["phases_us"]["transport"]["median"]
+
+
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
 def test_plot_is_written(tmp_path):
     png = tmp_path / "bench.png"
@@ -200,7 +222,7 @@ def test_every_kind_builds_and_checks():
         "rec": {"t": [1, None, None], "steps": {"cuMemCreate": 5}}, "cell": {"size": 4096, "import": "ok"},
         "bw": {"result": {"size": 4096, "device": 0}}, "overhead": {"result": {}}, "done": {"role": "consumer"},
         "error": {"reason": "x", "unsupported": False}, "ready": {"size": 4096}, "handoff": {"rep": 0},
-        "ack": {"rep": 0}, "pool": {},
+        "ack": {"rep": 0}, "pool": {}, "channel": {"address": "/tmp/x.sock"},
     }
     assert set(samples) == set(SPEC)
     for kind, fields in samples.items():
@@ -327,6 +349,31 @@ def test_gpu_mechanisms_run_on_tiny_sizes(tmp_path):
     assert "overhead" in dma or dma["status"].startswith("unsupported")
     po = data["targets"]["python_overhead"]
     assert po["met"] in (True, False) and ("dmabuf_ratio" in po) == ("overhead" in dma)
+
+
+@pytest.mark.gpu
+def test_gpu_channel_bench_runs(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--mechanisms", "channel,channel-host", "--sizes", "4K,1M", "--reps", "3",
+                  "--warmup", "2", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mechs = _load(path)["mechanisms"]
+    for name in ("channel", "channel-host"):
+        assert mechs[name]["status"] == "ok", mechs[name]
+        _check_cells(mechs[name], [4096, 1 << 20])
+    assert mechs["channel"]["devices"] == {"producer": 0, "consumer": 0}
+
+
+@pytest.mark.gpu(count=2)
+def test_gpu_channel_cross_device_pair(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--devices", "0,1", "--mechanisms", "channel", "--sizes", "4K", "--reps", "2",
+                  "--warmup", "2", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mech = _load(path)["mechanisms"]["channel"]
+    assert mech["status"] == "ok", mech
+    assert mech["devices"] == {"producer": 0, "consumer": 1}
+    _check_cells(mech, [4096])
 
 
 @pytest.mark.gpu(count=2)

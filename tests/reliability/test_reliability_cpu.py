@@ -478,6 +478,8 @@ FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill"
 UNPICKLING_ALLOWED = {
     "peers.py": "the benchmark's torch-IPC baseline measures torch's own pickled hand-off "
                       "(ForkingPickler) between two benchmark processes, for comparison",
+    "weight_sync_peers.py": "the weight-sync benchmark's peers measure torch's pickled IPC handles "
+                            "between two benchmark processes, for comparison",
 }
 
 

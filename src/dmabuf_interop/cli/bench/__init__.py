@@ -138,10 +138,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_seconds, default=300.0,
                    help="seconds to wait for the next record from a benchmark process; a record comes after all "
                         "repetitions of one size, so allow for --reps (default 300)")
+    from .weight_sync import add_arguments as add_workload_arguments
+
+    add_workload_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "workload", None):
+        from .weight_sync import main as workload_main
+
+        return workload_main(args)
     from . import report
     from .environment import environment, installed
     from .progress import Progress

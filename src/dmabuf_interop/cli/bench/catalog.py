@@ -26,6 +26,15 @@ MECHANISMS: dict[str, tuple[str, str | None, str]] = {
     "memfd": ("ours", None,
               "host shared memory, no GPU: a fresh memfd per hand-off (export_memfd), mmap in the consumer "
               "(import_memfd), first access is a CPU read"),
+    "channel": ("ours", None,
+                "channels: the producer exports a device SharedPool once (POSIX-fd VMM chunks; each chunk's fd "
+                f"crosses when first used, in the warm-ups) and per hand-off sends a block from a ring of "
+                f"{CACHED_RING} pool.empty arrays per size, allocated before t0: Channel.send (an interprocess "
+                "event recorded and a JSON descriptor); the consumer's Channel.recv validates it and makes its "
+                "stream wait on the event, as_array is the import, read4 the first access, then release()"),
+    "channel-host": ("ours", None,
+                     "channels over a host SharedPool (memfd chunks), no GPU: as channel, with NumPy arrays; "
+                     "the first access is a CPU read"),
     "torch-ipc": ("peer", "torch",
                   "torch.multiprocessing CUDA tensor sharing as Queue.put/get do it: ForkingPickler.dumps of a "
                   "tensor allocated before t0 (cudaIpcGetMemHandle, IPC event, ref counter), "
@@ -39,6 +48,6 @@ MECHANISMS: dict[str, tuple[str, str | None, str]] = {
                  "as JSON, ipcOpenMemHandle / ipcCloseMemHandle in the consumer"),
 }
 #: Mechanisms that need no CUDA driver.
-CUDA_FREE = frozenset({"memfd"})
+CUDA_FREE = frozenset({"memfd", "channel-host"})
 #: Ours whose consumer ends up with a usable CUDA device pointer (candidates for "our fastest").
 GPU_HANDOFF_OURS = ("posix-fd", "posix-fd-cached", "dmabuf")

@@ -14,6 +14,7 @@ import ctypes
 import os
 import socket
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -316,6 +317,94 @@ class MemfdPeer(Peer):
     release_consumer = Peer.release_received
 
 
+class ChannelPeer(Peer):
+    """A :class:`~dmabuf_interop.channel.SharedPool` exported once, blocks lent over a channel.
+
+    Set-up: the producer creates the pool on its device, listens (``channel.listen``) on a path in a
+    fresh private folder and sends that path (``channel`` message); the consumer calls
+    ``channel.connect``. Per cell the producer fills a ring of
+    :data:`~.catalog.CACHED_RING` ``pool.empty`` arrays; before t0 it waits for the lease on the slot
+    it reuses (released two repetitions earlier, so the wait is normally over). No export happens per
+    hand-off: t_exp = t_send = t0 and ``Channel.send`` is timed as transport.
+    """
+
+    host = False
+
+    def setup(self) -> dict[str, Any]:
+        from ...channel import SharedPool, connect, listen
+        from ..._checks import round_up
+
+        out = super().setup()
+        if self.role == "producer":
+            biggest = round_up(max(self.cfg["sizes"]), 2 << 20)
+            room = (CACHED_RING + 1) * biggest + (64 << 20)  # the ring, plus slack for first-fit placement
+            self.pool = SharedPool(None if self.host else self.producer_device,
+                                   chunk_bytes=min(64 << 20, room), max_bytes=room)
+            self.folder = tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-")
+            address = os.path.join(self.folder.name, "channel.sock")
+            self.listener = listen(address, pool=self.pool)
+            send_message(self.pc, make("channel", address=address))
+            self.ch = self.listener.accept(timeout=self.timeout)
+        else:
+            msg = check(recv_message(self.pc, self.timeout, max_fds=0)[0], "channel")
+            self.ch = connect(msg["address"], timeout=self.timeout,
+                              device=None if self.host else self.consumer_device)
+        return out
+
+    def cell(self, size: int) -> None:
+        super().cell(size)
+        if self.role == "producer":
+            self.ring = [self.pool.empty(size, "uint8", timeout=self.timeout) for _ in range(CACHED_RING)]
+            self.leases: list[Any] = [None] * CACHED_RING
+
+    def produce(self, rep: int) -> dict[str, Any]:
+        slot = rep % CACHED_RING
+        if self.leases[slot] is not None:
+            self.leases[slot].wait(self.timeout)
+        t0 = now()
+        self.leases[slot] = self.ch.send(self.ring[slot], timeout=self.timeout)
+        return {"t": [t0, t0, t0]}
+
+    def consume(self, rep: int) -> dict[str, Any]:
+        # the producer's event is waited on the stream read4 uses (and release() synchronises)
+        stream = None if self.host else self.reader(self.consumer_device).stream
+        self.received = self.ch.recv(self.timeout, stream=stream)
+        t_recv = now()
+        view = self.received.as_array()
+        t_imp = now()
+        if self.host:
+            ctypes.c_uint32.from_address(view.ctypes.data).value  # noqa: B018 - the first access
+        else:
+            self.reader(self.consumer_device).read4(int(view.ptr))
+        return {"t": [t_recv, t_imp, now()]}
+
+    def release_consumer(self) -> None:
+        self.received.release()
+        del self.received
+
+    def cell_end(self) -> dict[str, Any]:
+        if self.role == "producer":
+            for lease in self.leases:
+                if lease is not None:
+                    lease.wait(self.timeout)
+            del self.ring, self.leases  # the blocks go back to the pool
+        return {}
+
+    def close(self) -> None:
+        for name in ("ch", "listener", "pool"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+        if hasattr(self, "folder"):
+            self.folder.cleanup()
+
+
+class ChannelHostPeer(ChannelPeer):
+    """:class:`ChannelPeer` over a host pool (memfd chunks, NumPy arrays); no GPU."""
+
+    uses_cuda = False
+    host = True
+
+
 class TorchIpc(Peer):
     """torch.multiprocessing sharing of a CUDA tensor, as ``Queue.put`` / ``Queue.get`` do it.
 
@@ -510,6 +599,8 @@ PEERS: dict[str, type[Peer]] = {
     "posix-fd-cached": PosixFdCached,
     "dmabuf": DmaBufPeer,
     "memfd": MemfdPeer,
+    "channel": ChannelPeer,
+    "channel-host": ChannelHostPeer,
     "torch-ipc": TorchIpc,
     "cuda-core-ipc": CudaCoreIpc,
     "cupy-ipc": CupyIpc,

@@ -29,6 +29,7 @@ ready      consumer -> prod size: the consumer is set up for this cell
 handoff    producer -> cons rep and the mechanism's fields (below); an fd where the mechanism has one
 ack        consumer -> prod rep: the consumer has released this repetition's import
 pool       producer -> cons (cuda-core-ipc, once) the memory pool's allocation handle as the fd
+channel    producer -> cons (channel, channel-host, once) address: the path the producer listens on
 =========  ===============  =================================================================
 
 Hand-off fields: ``descriptor`` (a :class:`~dmabuf_interop.ShareDescriptor`)
@@ -76,6 +77,7 @@ SPEC: dict[str, dict[str, Any]] = {
                 "export_size?": int, "handle?": str, "payload?": str},
     "ack": {"rep": int},
     "pool": {},
+    "channel": {"address": str},
 }
 
 

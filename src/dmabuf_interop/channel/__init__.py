@@ -1,0 +1,21 @@
+"""Channels: long-lived processes stream arrays to each other zero-copy through a pool exported once.
+
+A producer creates a :class:`SharedPool` (host memfds, or CUDA VMM chunks
+exported as POSIX fds), :func:`listen`\\ s on an address, and lends arrays to
+each consumer that :func:`connect`\\ s: every chunk's fd crosses a connection
+once (``SCM_RIGHTS``); each array afterwards is a JSON descriptor. A
+:class:`Lease` completes when the consumer releases the block. See
+``docs/channel.md`` for the wire protocol and the security model.
+"""
+
+from __future__ import annotations
+
+from .channel import Channel, Lease, PeerInfo, Received, mechanism_for
+from .pool import ALIGN, SharedPool
+from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
+from .rendezvous import Listener, connect, listen
+
+__all__ = [
+    "ALIGN", "ArrayDescriptor", "Channel", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
+    "SharedPool", "connect", "listen", "mechanism_for", "parse_message",
+]

@@ -1,0 +1,466 @@
+"""`SharedPool`: memory exported once, in chunks, and sub-allocated into blocks that channels lend out.
+
+A host pool's chunks are memfds (``memfd_create``, sealed against shrink and
+grow, mapped ``MAP_SHARED``: :func:`..memfd.export_memfd`); a device pool's are
+CUDA VMM allocations exported as POSIX-fd shareable handles
+(``cuMemCreate`` + ``cuMemExportToShareableHandle``: :func:`..vmm.export_posix_fd`).
+Each chunk's fd crosses a connection once; afterwards arrays travel as
+descriptors (chunk id, offset, layout).
+
+Blocks are carved first-fit from a per-chunk free list with coalescing, at
+:data:`ALIGN`-byte alignment. A block is in use while the caller holds the
+array :meth:`SharedPool.empty` returned or while a lease on it is outstanding;
+then it returns to its chunk's free list.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+from ..errors import InvalidArgumentError, PoolExhaustedError
+from .protocol import DTYPES
+
+__all__ = ["ALIGN", "SharedPool", "Block"]
+
+#: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
+ALIGN = 256
+
+#: Every open pool of this process (to recognise an array that already lives in one).
+LIVE_POOLS: "weakref.WeakSet[SharedPool]" = weakref.WeakSet()
+
+# Chunk ids are unique within the process, so any pool's blocks can travel over any channel.
+_chunk_ids = itertools.count(1)
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class _FreeList:
+    """First-fit free list of ``[offset, offset+size)`` ranges, sorted by offset, coalesced on free."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.starts: list[int] = [0]
+        self.sizes: list[int] = [size]
+
+    def alloc(self, n: int) -> int | None:
+        for i, sz in enumerate(self.sizes):
+            if sz >= n:
+                off = self.starts[i]
+                if sz == n:
+                    del self.starts[i], self.sizes[i]
+                else:
+                    self.starts[i] += n
+                    self.sizes[i] -= n
+                return off
+        return None
+
+    def free(self, off: int, n: int) -> None:
+        i = bisect.bisect_left(self.starts, off)
+        self.starts.insert(i, off)
+        self.sizes.insert(i, n)
+        if i + 1 < len(self.starts) and off + n == self.starts[i + 1]:  # merge with the next range
+            self.sizes[i] += self.sizes.pop(i + 1)
+            self.starts.pop(i + 1)
+        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == off:  # and with the previous one
+            self.sizes[i - 1] += self.sizes.pop(i)
+            self.starts.pop(i)
+
+    @property
+    def empty(self) -> bool:
+        return self.sizes == [self.size]
+
+
+class _Chunk:
+    """One exported allocation: its fd (owned by ``export``), base address, size and free list."""
+
+    def __init__(self, export: Any, mechanism: str) -> None:
+        self.id = next(_chunk_ids)
+        self.export = export  # ExportedBuffer: owns the fd and the mapping
+        self.mechanism = mechanism
+        self.ptr = export.ptr
+        self.size = export.export_size
+        self.device = export.device
+        self.device_uuid = export.device_uuid
+        self.free = _FreeList(self.size)
+        self.blocks: dict[int, Block] = {}  # offset -> live block
+        self.offsets: list[int] = []  # the keys of ``blocks``, kept sorted for bisect in SharedPool.find
+
+    def add(self, block: "Block") -> None:
+        self.blocks[block.offset] = block
+        bisect.insort(self.offsets, block.offset)
+
+    def remove(self, block: "Block") -> None:
+        del self.blocks[block.offset]
+        del self.offsets[bisect.bisect_left(self.offsets, block.offset)]
+
+    @property
+    def fd(self) -> int:
+        return self.export.fd
+
+    def describe(self) -> dict[str, Any]:
+        """The ``chunk`` message (its fd rides along by ``SCM_RIGHTS``)."""
+        return {"kind": "chunk", "chunk": self.id, "size": self.size, "mechanism": self.mechanism,
+                "device_uuid": self.device_uuid}
+
+    def host_keepalive(self, offset: int, nbytes: int) -> Any:
+        """A memoryview on the host mapping: while it lives ``mmap.close`` cannot unmap the pages."""
+        return memoryview(self.export._mapping.map)[offset:offset + nbytes]
+
+
+class Block:
+    """``size`` bytes at ``offset`` inside a pool chunk; ``ptr`` is its address in this process."""
+
+    __slots__ = ("pool", "chunk", "offset", "size", "refs", "__weakref__")
+
+    def __init__(self, pool: "SharedPool", chunk: _Chunk, offset: int, size: int) -> None:
+        self.pool = pool
+        self.chunk = chunk
+        self.offset = offset
+        self.size = size
+        self.refs = 0  # the caller's array (pool.empty) + outstanding leases
+
+    @property
+    def ptr(self) -> int:
+        return self.chunk.ptr + self.offset
+
+    def __repr__(self) -> str:
+        return f"<Block chunk={self.chunk.id} offset={self.offset} size={self.size} refs={self.refs}>"
+
+
+class HostView:
+    """A NumPy-consumable object (``__array_interface__``) over host bytes that keeps their owners alive.
+
+    ``np.asarray(view)`` and every view of that array hold this object as their
+    ``base``, so the owners in ``keep`` (a mapping's memoryview, a Block's
+    holder, a Received) live exactly as long as some array uses the bytes.
+    """
+
+    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, keep: tuple) -> None:
+        self.__array_interface__ = {"version": 3, "data": (ptr, False), "shape": tuple(shape),
+                                    "strides": tuple(strides), "typestr": typestr}
+        self.keep = keep
+
+
+def numpy_dtype(name: str) -> Any:
+    """The NumPy dtype for a wire dtype name; ``bfloat16`` needs ``ml_dtypes``.
+
+    Raises:
+        InvalidArgumentError: bfloat16 without ``ml_dtypes`` (use ``as_tensor`` instead).
+    """
+    import numpy as np
+
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise InvalidArgumentError("NumPy has no bfloat16: install ml_dtypes, or use as_tensor()") from exc
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+class SharedPool:
+    """Memory exported once and lent out block by block over channels.
+
+    Args:
+        device: ``None`` or ``"host"`` for a host pool (memfd); a CUDA ordinal
+            for a device pool (VMM chunks exported as POSIX fds).
+        chunk_bytes: bytes per chunk (default 64 MiB); device chunks are
+            rounded up to the allocation granularity (2 MiB on H200). A request
+            larger than a chunk gets a chunk of its own.
+        max_bytes: most bytes the pool exports in all (default 1 GiB).
+
+    Raises:
+        InvalidArgumentError: a bad device, or sizes that are not positive ints
+            or with ``chunk_bytes > max_bytes``.
+    """
+
+    def __init__(self, device: int | str | None = None, *, chunk_bytes: int = 64 << 20,
+                 max_bytes: int = 1 << 30) -> None:
+        if device == "host":
+            device = None
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise InvalidArgumentError(f"device must be None, 'host' or a CUDA ordinal, got {device!r}")
+        for name, v in (("chunk_bytes", chunk_bytes), ("max_bytes", max_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive number of bytes, got {v!r}")
+        if chunk_bytes > max_bytes:
+            raise InvalidArgumentError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
+        self.device: int | None = device
+        self.chunk_bytes = _round_up(chunk_bytes, ALIGN)
+        self.max_bytes = max_bytes
+        self._cond = threading.Condition()
+        self._chunks: list[_Chunk] = []
+        self._closed = False
+        self._channels: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._events: list[tuple[Any, bytes]] = []  # interprocess events free for reuse (device pools)
+        self._all_events: list[Any] = []
+        self._finalizer = weakref.finalize(self, SharedPool._close_chunks, self._chunks, self._all_events,
+                                           device)
+        LIVE_POOLS.add(self)
+
+    # --- introspection ---------------------------------------------------------
+
+    @property
+    def is_host(self) -> bool:
+        return self.device is None
+
+    @property
+    def capacity(self) -> int:
+        """Bytes exported so far (sum of chunk sizes)."""
+        with self._cond:
+            return sum(c.size for c in self._chunks)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in blocks that are in use."""
+        with self._cond:
+            return sum(b.size for c in self._chunks for b in c.blocks.values())
+
+    # --- chunks ------------------------------------------------------------------
+
+    def _new_chunk(self, nbytes: int) -> _Chunk:
+        if self.is_host:
+            from ..mechanisms.memfd import export_memfd
+
+            return _Chunk(export_memfd(nbytes, name="dmabuf-interop-pool"), "memfd")
+        from ..mechanisms.posix_fd import export_posix_fd
+
+        return _Chunk(export_posix_fd(nbytes, self.device), "posix-fd")
+
+    def _chunk_size_for(self, nbytes: int) -> int:
+        size = max(self.chunk_bytes, _round_up(nbytes, ALIGN))
+        if not self.is_host:
+            from ..mechanisms.posix_fd import granularity
+
+            size = _round_up(size, granularity(self.device))
+        return size
+
+    def alloc(self, nbytes: int, *, timeout: float | None = 10.0) -> Block:
+        """A block of at least ``nbytes`` bytes (rounded up to :data:`ALIGN`), with no user yet.
+
+        Grows the pool by a chunk while under ``max_bytes``; when full waits up
+        to ``timeout`` seconds (``None``: forever) for blocks to come back.
+
+        Raises:
+            InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``.
+            PoolExhaustedError: no room within ``timeout``.
+            SyscallError, CudaError: exporting a new chunk failed.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        n = _round_up(max(nbytes, 1), ALIGN)
+        if n > self.max_bytes:
+            raise InvalidArgumentError(f"a {nbytes}-byte block can never fit in a pool of max_bytes {self.max_bytes}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise InvalidArgumentError("the pool is closed")
+                for chunk in self._chunks:
+                    off = chunk.free.alloc(n)
+                    if off is not None:
+                        block = Block(self, chunk, off, n)
+                        chunk.add(block)
+                        return block
+                size = self._chunk_size_for(n)
+                if sum(c.size for c in self._chunks) + size <= self.max_bytes:
+                    chunk = self._new_chunk(size)
+                    self._chunks.append(chunk)
+                    continue
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PoolExhaustedError(
+                        f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
+                        f"{self.max_bytes} bytes are in use or lent out")
+                self._cond.wait(remaining)
+
+    def used_bytes_locked(self) -> int:
+        return sum(b.size for c in self._chunks for b in c.blocks.values())
+
+    def _ref(self, block: Block) -> None:
+        with self._cond:
+            block.refs += 1
+
+    def _unref(self, block: Block) -> None:
+        with self._cond:
+            block.refs -= 1
+            if block.refs <= 0 and block.chunk.blocks.get(block.offset) is block:
+                block.chunk.remove(block)
+                block.chunk.free.free(block.offset, block.size)
+                self._cond.notify_all()
+
+    def find(self, ptr: int, nbytes: int) -> Block | None:
+        """The live block holding ``[ptr, ptr+nbytes)`` in this process's address space, or ``None``."""
+        with self._cond:
+            for chunk in self._chunks:
+                if chunk.ptr <= ptr and ptr + nbytes <= chunk.ptr + chunk.size:
+                    i = bisect.bisect_right(chunk.offsets, ptr - chunk.ptr) - 1
+                    if i >= 0:
+                        b = chunk.blocks[chunk.offsets[i]]
+                        if ptr + nbytes <= b.ptr + b.size:
+                            return b
+                    return None
+        return None
+
+    # --- arrays --------------------------------------------------------------------
+
+    def empty(self, shape: Sequence[int] | int, dtype: Any = "float32", *, timeout: float | None = 10.0) -> Any:
+        """An uninitialised C-contiguous array in a pool block, for zero-copy :meth:`Channel.send`.
+
+        Args:
+            shape: elements per dimension.
+            dtype: a NumPy dtype or name from :data:`.protocol.DTYPES` (``"bfloat16"`` for device pools
+                or with ``ml_dtypes``).
+            timeout: seconds to wait for room when the pool is full.
+
+        Returns:
+            host pool: a writable NumPy array over the shared pages; device pool: a
+            ``cuda.core.utils.StridedMemoryView`` (DLPack producer: ``torch.from_dlpack``,
+            ``cupy.from_dlpack``). The block stays allocated while the array (or any view
+            of it) lives, and while leases on it are outstanding.
+
+        Raises:
+            InvalidArgumentError: a bad shape or unsupported dtype. PoolExhaustedError: see :meth:`alloc`.
+        """
+        import numpy as np
+
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
+            raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
+        shape = tuple(int(s) for s in shape)
+        name = dtype if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype).name
+        if name not in DTYPES:
+            raise InvalidArgumentError(f"dtype {name!r} cannot travel; accepted: {', '.join(DTYPES)}")
+        itemsize = DTYPES[name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        block = self.alloc(nbytes, timeout=timeout)
+        holder = _BlockHolder(block)
+        strides = c_strides(shape, itemsize)
+        if self.is_host:
+            typestr = "<u2" if name == "bfloat16" else numpy_dtype(name).str
+            view = HostView(block.ptr, shape, strides, typestr,
+                            (holder, block.chunk.host_keepalive(block.offset, block.size)))
+            arr = np.asarray(view)
+            return arr.view(numpy_dtype(name)) if name == "bfloat16" else arr
+        from cuda.core.utils import StridedMemoryView
+
+        from ..buffers import mapped_buffer
+
+        buf = mapped_buffer(block.ptr, max(nbytes, 1), self.device, holder)
+        dt = np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
+        return StridedMemoryView.from_buffer(buf, shape, tuple(s // itemsize for s in strides), dtype=dt)
+
+    # --- events (device pools) ------------------------------------------------------
+
+    def _take_event(self) -> tuple[Any, bytes]:
+        from .. import _driver as driver
+
+        with self._cond:
+            if self._events:
+                return self._events.pop()
+        driver.set_current(self.device)
+        ev = driver.event_create_interprocess()
+        pair = (ev, driver.ipc_get_event_handle(ev))
+        with self._cond:
+            self._all_events.append(ev)
+        return pair
+
+    def _give_event(self, pair: tuple[Any, bytes]) -> None:
+        with self._cond:
+            self._events.append(pair)
+
+    # --- channels and retirement ------------------------------------------------------
+
+    def _register_channel(self, channel: Any) -> None:
+        with self._cond:
+            self._channels.add(channel)
+
+    def trim(self) -> int:
+        """Retire every chunk with no block in use: tell each channel (``retire``), then unexport it.
+
+        Returns:
+            how many chunks were retired.
+        """
+        with self._cond:
+            idle = [c for c in self._chunks if not c.blocks]
+            for c in idle:
+                self._chunks.remove(c)
+            channels = list(self._channels)
+        for c in idle:
+            for ch in channels:
+                ch._retire_chunk(c.id)
+            c.export.close()
+        return len(idle)
+
+    @staticmethod
+    def _close_chunks(chunks: list[_Chunk], events: list[Any], device: int | None) -> None:
+        for c in chunks:
+            try:
+                c.export.close()
+            except Exception:  # noqa: BLE001 - closing everything matters more than the first error
+                pass
+        chunks.clear()
+        if events:
+            from .. import _driver as driver
+
+            for ev in events:
+                try:
+                    driver.set_current(device)
+                    driver.event_destroy(ev)
+                except Exception:  # noqa: BLE001
+                    pass
+            events.clear()
+
+    def close(self) -> None:
+        """Retire every chunk on every channel and release the exports (fds, mappings, VMM memory, events).
+
+        Arrays from :meth:`empty` on a host pool stay readable until collected
+        (the mapping outlives them); leases still outstanding are abandoned.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            ids = [c.id for c in self._chunks]
+            channels = list(self._channels)
+            self._cond.notify_all()
+        for ch in channels:
+            for cid in ids:
+                ch._retire_chunk(cid)
+        self._finalizer()
+
+    def __enter__(self) -> "SharedPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "host" if self.is_host else f"device {self.device}"
+        return f"<SharedPool {where} chunks={len(self._chunks)} max_bytes={self.max_bytes}>"
+
+
+class _BlockHolder:
+    """The caller's hold on a block from :meth:`SharedPool.empty`; dropped when its last array goes."""
+
+    __slots__ = ("block", "_fin", "__weakref__")
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+        block.pool._ref(block)
+        self._fin = weakref.finalize(self, block.pool._unref, block)

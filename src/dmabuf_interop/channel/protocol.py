@@ -1,0 +1,353 @@
+"""The channel wire protocol: message kinds, the array descriptor, and their validation.
+
+Every message is one JSON object with a ``"kind"`` (see ``docs/channel.md``).
+Nothing a peer sends is used before :func:`parse_message` (and, for arrays,
+:meth:`ArrayDescriptor.from_json`) has checked every field: exact key sets,
+ints that are ints (a JSON ``true`` is not ``1``), non-negative sizes, known
+dtypes, and a layout that stays inside its block. A failure raises
+:class:`~..errors.ProtocolError`; the channel then closes the connection
+without mapping anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_META_BYTES",
+    "MAX_NDIM",
+    "MAX_ITEMS",
+    "DTYPES",
+    "ORDERINGS",
+    "ArrayDescriptor",
+    "parse_message",
+    "host_boot_id",
+    "visible_gpu_uuids",
+]
+
+#: Bumped on any incompatible change of the messages below.
+PROTOCOL_VERSION = 1
+#: Largest caller ``meta`` per array, as compact JSON, in bytes.
+MAX_META_BYTES = 64 * 1024
+#: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's is 64).
+MAX_NDIM = 32
+#: Largest number of arrays in one ``arrays`` message (:meth:`Channel.send_many`).
+MAX_ITEMS = 65536
+#: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
+MAX_INT = 1 << 62
+
+#: dtype names accepted on the wire -> itemsize in bytes. NumPy ``dtype.name`` spellings;
+#: byte order is always little-endian (x86-64 and aarch64 hosts, CUDA devices).
+DTYPES: dict[str, int] = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16,
+}
+
+#: How the consumer learns that the producer's writes are complete:
+#: ``none`` (host pool: the writes happened before ``send`` returned), ``event``
+#: (an interprocess CUDA event to wait on), ``sync`` (the producer synchronised its stream).
+ORDERINGS = ("none", "event", "sync")
+
+_EVENT_HANDLE_BYTES = 64
+
+
+def _int(obj: dict[str, Any], key: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(f"field {key!r} must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ProtocolError(f"field {key!r} = {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _str(obj: dict[str, Any], key: str, max_len: int = 256) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise ProtocolError(f"field {key!r} must be a string, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise ProtocolError(f"field {key!r} is {len(v)} characters, more than {max_len}")
+    return v
+
+
+def _keys(obj: Any, required: set[str], what: str) -> None:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    got = set(obj)
+    if got != required:
+        missing, extra = sorted(required - got), sorted(got - required)
+        raise ProtocolError(f"{what} has the wrong fields (missing {missing}, unexpected {extra})")
+
+
+def _int_list(obj: dict[str, Any], key: str, max_len: int) -> tuple[int, ...]:
+    v = obj.get(key)
+    if not isinstance(v, list) or len(v) > max_len:
+        raise ProtocolError(f"field {key!r} must be a list of at most {max_len} integers")
+    out = []
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_INT:
+            raise ProtocolError(f"field {key!r} holds {x!r}: expected integers in [0, {MAX_INT}]")
+        out.append(x)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ArrayDescriptor:
+    """Where one array lies in a shared pool and how to read it.
+
+    Attributes:
+        chunk: id of the pool chunk (announced before with a ``chunk`` message).
+        block_offset: the block's start inside the chunk, bytes (a multiple of 256).
+        block_bytes: the block's size, bytes.
+        byte_offset: the array's first element relative to the block's start, bytes.
+        shape: elements per dimension (``()`` for a scalar).
+        strides: bytes between consecutive elements per dimension, non-negative
+            multiples of the itemsize (so DLPack can describe them).
+        dtype: a name from :data:`DTYPES`.
+        ordering: one of :data:`ORDERINGS`.
+        event: the base64 ``cuIpcGetEventHandle`` bytes when ``ordering == "event"``, else ``None``.
+        name: the key of this array in a ``send_many`` batch, else ``None``.
+        meta: the sender's JSON object (at most :data:`MAX_META_BYTES`), or ``None``.
+    """
+
+    chunk: int
+    block_offset: int
+    block_bytes: int
+    byte_offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    ordering: str = "none"
+    event: str | None = None
+    name: str | None = None
+    meta: dict[str, Any] | None = field(default=None, compare=False)
+
+    _FIELDS = frozenset({"chunk", "block_offset", "block_bytes", "byte_offset", "shape", "strides", "dtype",
+                         "ordering", "event", "name", "meta"})
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the elements occupy (``prod(shape) * itemsize``)."""
+        return math.prod(self.shape) * self.itemsize
+
+    def extent(self) -> int:
+        """One past the last byte the layout touches, relative to the block's start (0 for an empty array)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return self.byte_offset + sum((n - 1) * st for n, st in zip(self.shape, self.strides)) + self.itemsize
+
+    def is_c_contiguous(self) -> bool:
+        expect = self.itemsize
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and st != expect:
+                return False
+            expect *= n
+        return True
+
+    def event_handle(self) -> bytes | None:
+        """The decoded 64-byte event handle, or ``None``."""
+        return None if self.event is None else base64.b64decode(self.event)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object that travels in ``array`` / ``arrays`` messages (validated first)."""
+        obj = {"chunk": self.chunk, "block_offset": self.block_offset, "block_bytes": self.block_bytes,
+               "byte_offset": self.byte_offset, "shape": list(self.shape), "strides": list(self.strides),
+               "dtype": self.dtype, "ordering": self.ordering, "event": self.event, "name": self.name,
+               "meta": self.meta}
+        ArrayDescriptor.from_json(obj)  # the sender holds itself to the receiver's rules
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ArrayDescriptor":
+        """Validate a peer's descriptor and build it.
+
+        Raises:
+            ProtocolError: a missing or unexpected field, a non-integer (or
+                bool) where an integer belongs, a negative size, offset or
+                stride, an unknown dtype or ordering, a stride that is not a
+                multiple of the itemsize, a malformed event handle, ``meta``
+                that is not an object or is over :data:`MAX_META_BYTES`, or a
+                layout reaching outside ``block_bytes``.
+        """
+        _keys(obj, set(cls._FIELDS), "array descriptor")
+        chunk = _int(obj, "chunk")
+        block_offset = _int(obj, "block_offset")
+        block_bytes = _int(obj, "block_bytes")
+        byte_offset = _int(obj, "byte_offset")
+        shape = _int_list(obj, "shape", MAX_NDIM)
+        strides = _int_list(obj, "strides", MAX_NDIM)
+        if len(shape) != len(strides):
+            raise ProtocolError(f"shape has {len(shape)} dimensions but strides has {len(strides)}")
+        dtype = obj["dtype"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ProtocolError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+        itemsize = DTYPES[dtype]
+        if any(st % itemsize for st in strides):
+            raise ProtocolError(f"strides {strides} are not multiples of the {itemsize}-byte itemsize")
+        if byte_offset % itemsize:
+            raise ProtocolError(f"byte_offset {byte_offset} is not a multiple of the {itemsize}-byte itemsize")
+        ordering = obj["ordering"]
+        if ordering not in ORDERINGS:
+            raise ProtocolError(f"unknown ordering {ordering!r}; accepted: {', '.join(ORDERINGS)}")
+        event = obj["event"]
+        if ordering == "event":
+            if not isinstance(event, str) or len(event) > 128:
+                raise ProtocolError("ordering 'event' needs a base64 event handle")
+            try:
+                raw = base64.b64decode(event, validate=True)
+            except ValueError as exc:
+                raise ProtocolError(f"event handle is not base64: {exc}") from exc
+            if len(raw) != _EVENT_HANDLE_BYTES:
+                raise ProtocolError(f"event handle is {len(raw)} bytes, not {_EVENT_HANDLE_BYTES}")
+        elif event is not None:
+            raise ProtocolError(f"an event handle came with ordering {ordering!r}")
+        name = obj["name"]
+        if name is not None and (not isinstance(name, str) or len(name) > 4096):
+            raise ProtocolError("name must be a string of at most 4096 characters, or null")
+        meta = obj["meta"]
+        if meta is not None:
+            if not isinstance(meta, dict):
+                raise ProtocolError(f"meta must be a JSON object or null, got {type(meta).__name__}")
+            size = len(json.dumps(meta, separators=(",", ":")).encode())
+            if size > MAX_META_BYTES:
+                raise ProtocolError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
+        desc = cls(chunk, block_offset, block_bytes, byte_offset, shape, strides, dtype, ordering, event, name,
+                   meta)
+        if desc.extent() > block_bytes:
+            raise ProtocolError(f"shape {shape} with strides {strides} from byte {byte_offset} reaches byte "
+                                f"{desc.extent()}, outside its {block_bytes}-byte block")
+        return desc
+
+
+# --- messages ---------------------------------------------------------------------
+
+def _check_hello(msg: dict[str, Any]) -> None:
+    _keys(msg, {"kind", "protocol", "library", "boot_id", "gpus", "pid"}, "hello message")
+    _int(msg, "protocol", 0, 1 << 31)
+    _str(msg, "library", 64)
+    _str(msg, "boot_id", 64)
+    _int(msg, "pid", 0, 1 << 31)
+    gpus = msg["gpus"]
+    if not isinstance(gpus, list) or len(gpus) > 1024 or not all(isinstance(g, str) and len(g) <= 64 for g in gpus):
+        raise ProtocolError("hello: gpus must be a list of GPU UUID strings")
+
+
+def _check_chunk(msg: dict[str, Any]) -> None:
+    _keys(msg, {"kind", "chunk", "size", "mechanism", "device_uuid"}, "chunk message")
+    _int(msg, "chunk")
+    _int(msg, "size", 1)
+    if msg["mechanism"] not in ("memfd", "posix-fd"):
+        raise ProtocolError(f"chunk: unknown mechanism {msg['mechanism']!r}")
+    _str(msg, "device_uuid", 64)
+
+
+def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:
+    ids = msg.get(key)
+    if not isinstance(ids, list) or len(ids) > 1 << 20:
+        raise ProtocolError(f"{what}: {key!r} must be a list of integers")
+    for x in ids:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_INT:
+            raise ProtocolError(f"{what}: {key!r} holds {x!r}, not an id")
+
+
+def _check_array(msg: dict[str, Any]) -> list[ArrayDescriptor]:
+    _keys(msg, {"kind", "lease", "desc"}, "array message")
+    _int(msg, "lease")
+    return [ArrayDescriptor.from_json(msg["desc"])]
+
+
+def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
+    _keys(msg, {"kind", "lease", "items", "mapping"}, "arrays message")
+    _int(msg, "lease")
+    if not isinstance(msg["mapping"], bool):
+        raise ProtocolError("arrays: 'mapping' must be true or false")
+    items = msg["items"]
+    if not isinstance(items, list) or len(items) > MAX_ITEMS:
+        raise ProtocolError(f"arrays: 'items' must be a list of at most {MAX_ITEMS} descriptors")
+    descs = [ArrayDescriptor.from_json(d) for d in items]
+    if msg["mapping"]:
+        names = [d.name for d in descs]
+        if any(n is None for n in names) or len(set(names)) != len(names):
+            raise ProtocolError("arrays: a mapping batch needs a distinct name on every item")
+    return descs
+
+
+def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
+    """Validate one decoded message; returns its kind and, for array messages, the descriptors.
+
+    Kinds: ``hello``, ``refuse``, ``chunk``, ``retire``, ``array``, ``arrays``, ``release``, ``bye``.
+
+    Raises:
+        ProtocolError: an unknown kind or any malformed field.
+    """
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message is a JSON object, got {type(msg).__name__}")
+    kind = msg.get("kind")
+    if kind == "hello":
+        _check_hello(msg)
+    elif kind == "refuse":
+        _keys(msg, {"kind", "reason"}, "refuse message")
+        _str(msg, "reason", 4096)
+    elif kind == "chunk":
+        _check_chunk(msg)
+    elif kind == "retire":
+        _keys(msg, {"kind", "chunk"}, "retire message")
+        _int(msg, "chunk")
+    elif kind == "array":
+        return kind, _check_array(msg)
+    elif kind == "arrays":
+        return kind, _check_arrays(msg)
+    elif kind == "release":
+        _keys(msg, {"kind", "leases"}, "release message")
+        _check_ids(msg, "leases", "release")
+    elif kind == "bye":
+        _keys(msg, {"kind"}, "bye message")
+    else:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    return kind, []
+
+
+# --- identity -----------------------------------------------------------------------
+
+def host_boot_id() -> str:
+    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``): equal on both ends only on one host.
+
+    Raises:
+        SyscallError: the file cannot be read.
+    """
+    from ..errors import SyscallError
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise SyscallError("open(/proc/sys/kernel/random/boot_id)", exc) from exc
+
+
+def visible_gpu_uuids(initialise: bool = False) -> list[str]:
+    """UUIDs of the GPUs this process can see (``cuDeviceGetUuid``), or ``[]``.
+
+    CUDA is left alone unless ``initialise`` is true or this process has
+    already initialised it: a process with no GPU work (a host pool) must not
+    pay for, or be forked after, ``cuInit``. Without a driver the answer is ``[]``.
+    """
+    from .. import _driver as driver
+    from ..errors import DmaBufError
+
+    if not (initialise or driver.is_initialized()):
+        return []
+    try:
+        return [driver.device_uuid(i) for i in range(driver.device_count())]
+    except DmaBufError:
+        return []

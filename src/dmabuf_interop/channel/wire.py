@@ -1,0 +1,43 @@
+"""Framing for channel connections: the library's message format with a larger body limit.
+
+Frames are those of :mod:`..fdpass` (a 4-byte big-endian length, then UTF-8
+JSON, at most one fd by ``SCM_RIGHTS`` on the first byte), sent and received
+by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves.
+Array batches with caller ``meta`` can exceed fdpass's default 64 KiB, so
+bodies here may be up to :data:`MAX_FRAME` bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from ..fdpass import recv_message, send_message
+
+__all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
+
+#: Largest JSON body of one channel message, in bytes.
+MAX_FRAME = 16 * 1024 * 1024
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None = 60.0) -> None:
+    """Send one message with no fd.
+
+    Raises:
+        InvalidArgumentError: not JSON-serialisable or over :data:`MAX_FRAME`.
+        PeerClosedError: the peer has gone (``EPIPE`` / ``ECONNRESET``).
+        WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
+    """
+    send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME)
+
+
+def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
+    """Receive one message and the fd on it, if any (``recvmsg`` with ``MSG_CMSG_CLOEXEC``); the caller
+    owns the fd.
+
+    Raises:
+        PeerClosedError: EOF. WaitTimeoutError: nothing within ``timeout`` seconds.
+        ProtocolError: a truncated control message, bad framing, or a body that is not a JSON object
+            (every fd that arrived is closed first).
+    """
+    return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME)

@@ -1,0 +1,375 @@
+"""Channels over host pools: real sockets, real processes, no mocks."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dmabuf_interop.channel import SharedPool, connect, listen
+from dmabuf_interop.errors import (InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
+                                   WaitTimeoutError)
+from dmabuf_interop.fd import open_fds
+
+from tests.helpers import env_with_src
+
+PEER = str(Path(__file__).with_name("peer.py"))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, PEER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env_with_src(), start_new_session=True)
+
+
+def in_thread(fn):
+    """Run ``fn`` in a thread; returns a getter that joins and returns its result or raises its error."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def get(timeout: float = 30):
+        t.join(timeout)
+        assert not t.is_alive(), "thread did not finish"
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("value")
+
+    return get
+
+
+@pytest.fixture
+def addr(tmp_path: Path) -> str:
+    return str(tmp_path / "chan.sock")
+
+
+@pytest.fixture
+def pool():
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as p:
+        yield p
+
+
+def pair(addr: str, pool: SharedPool, **kw):
+    listener = listen(addr, pool=pool, **kw)
+    get = in_thread(lambda: connect(addr, timeout=10))
+    prod = listener.accept(10)
+    return listener, prod, get()
+
+
+# --- rendezvous ----------------------------------------------------------------------
+
+def test_path_socket_is_owner_only_unlinked_and_never_clobbers(tmp_path: Path, pool: SharedPool) -> None:
+    path = tmp_path / "s.sock"
+    listener, prod, cons = pair(str(path), pool)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert prod.peer.uid == os.geteuid() and prod.peer.pid == os.getpid()
+    with pytest.raises(InvalidArgumentError, match="listening"):
+        listen(str(path))
+    cons.close()
+    prod.close()
+    listener.close()
+    assert not path.exists()
+    regular = tmp_path / "file"
+    regular.write_text("keep me")
+    with pytest.raises(InvalidArgumentError, match="not a socket"):
+        listen(str(regular))
+    assert regular.read_text() == "keep me"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "stale.sock"))
+    stale.close()  # the file stays, nobody listens
+    with listen(str(tmp_path / "stale.sock")):
+        pass
+
+
+def test_abstract_address(pool: SharedPool) -> None:
+    name = f"@dmabuf-interop-test-{os.getpid()}"
+    listener, prod, cons = pair(name, pool)
+    lease = prod.send(np.arange(5))
+    with cons.recv(5) as r:
+        assert r.as_array().tolist() == [0, 1, 2, 3, 4]
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_peer_credentials_refused_on_both_sides_and_listener_keeps_serving(addr: str) -> None:
+    other = os.geteuid() + 12345
+    with listen(addr, allow_uids=[other]) as listener:
+        for _ in range(2):
+            get = in_thread(lambda: connect(addr, timeout=10))
+            with pytest.raises(PeerRefusedError, match=f"uid {os.geteuid()}"):
+                listener.accept(10)
+            with pytest.raises(PeerRefusedError, match="not allowed"):
+                get()
+        with pytest.raises(WaitTimeoutError):
+            listener.accept(0.1)
+    with listen(addr, allow_uids=[other], allow_gids=[os.getegid()]) as listener:  # a gid widens it
+        get = in_thread(lambda: connect(addr, timeout=10))
+        listener.accept(10).close()
+        get().close()
+
+
+@pytest.mark.parametrize("override, text", [({"protocol": 99}, "protocol version mismatch"),
+                                            ({"boot_id": "00000000-another-host"}, "peer is on another host")])
+def test_handshake_mismatch_refused(addr: str, override: dict, text: str) -> None:
+    with listen(addr) as listener:
+        get = in_thread(lambda: connect(addr, timeout=10, hello_overrides=override))
+        with pytest.raises(PeerRefusedError, match=text):
+            listener.accept(10)
+        with pytest.raises(PeerRefusedError, match=text):
+            get()
+    with listen(addr, hello_overrides=override) as listener:  # the listener's side differs
+        get = in_thread(lambda: connect(addr, timeout=10))
+        with pytest.raises(PeerRefusedError, match=text):
+            listener.accept(10)
+        with pytest.raises(PeerRefusedError, match=text):
+            get()
+
+
+# --- arrays -------------------------------------------------------------------------------
+
+def mixed_arrays(pool: SharedPool) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    out = []
+    for dtype in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+                  "float32", "float64", "complex64", "complex128"):
+        base = (rng.standard_normal((6, 10)) * 50).astype(dtype)
+        out.append(base)  # copy path, contiguous
+        out.append(base[::2, 1::3])  # copy path, strided
+        out.append(base[::-1])  # copy path, negative strides (copied C-contiguous)
+        z = pool.empty((6, 10), dtype)
+        z[...] = base
+        out.append(z)  # zero-copy
+        out.append(z[1:, ::2])  # zero-copy, non-contiguous view with a byte offset
+        out.append(z.T)  # zero-copy, Fortran order
+    out.append(np.float32(3.5) * np.ones(()))  # 0-d
+    out.append(np.zeros((0, 4), "float32"))  # empty
+    return out
+
+
+def test_many_mixed_arrays_verified_by_another_process(addr: str, pool: SharedPool) -> None:
+    arrays = mixed_arrays(pool)
+    with listen(addr, pool=pool) as listener:
+        proc = start("consumer-verify", addr, str(len(arrays)))
+        with listener.accept(30) as ch:
+            leases = [ch.send(a, meta={"sha256": digest(a), "shape": list(a.shape), "dtype": a.dtype.name})
+                      for a in arrays]
+            for lease in leases:
+                lease.wait(30)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["good"] == summary["n"] == len(arrays)
+
+
+def test_zero_copy_shares_pages_and_copy_does_not(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    z = pool.empty(8, "int32")
+    z[:] = 1
+    used = pool.used_bytes
+    lease = prod.send(z)
+    assert pool.used_bytes == used  # no new block: zero-copy
+    with cons.recv(5) as r:
+        r.as_array()[:] = 42  # the consumer writes the producer's pages
+    lease.wait(5)
+    assert z.tolist() == [42] * 8
+    src = np.ones(8, "int32")
+    lease = prod.send(src)
+    assert pool.used_bytes > used  # copied into a new block
+    with cons.recv(5) as r:
+        r.as_array()[:] = 42
+    lease.wait(5)
+    assert src.tolist() == [1] * 8
+    assert pool.used_bytes == used
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_lease_completes_on_release_and_block_returns(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send(np.arange(100))
+    r = cons.recv(5)
+    time.sleep(0.05)
+    assert not lease.done and prod.outstanding == 1 and pool.used_bytes > 0
+    with pytest.raises(WaitTimeoutError):
+        lease.wait(0.05)
+    r.release()
+    lease.wait(2)
+    assert lease.reason == "released" and pool.used_bytes == 0
+    with pytest.raises(InvalidArgumentError, match="released"):
+        r.as_array()
+    # the safety net: a dropped Received releases its block
+    lease = prod.send(np.arange(100))
+    r = cons.recv(5)
+    del r
+    gc.collect()
+    lease.wait(2)
+    # send_many: one message, one lease over every item
+    lease = prod.send_many({"a": np.arange(3), "b": np.ones((2, 2))}, meta={"step": 1})
+    got = cons.recv_many(5)
+    assert sorted(got) == ["a", "b"] and got["a"].meta == {"step": 1}
+    got["a"].release()
+    time.sleep(0.05)
+    assert not lease.done
+    got["b"].release()
+    lease.wait(2)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_pool_exhaustion_waits_then_raises(addr: str) -> None:
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as small:
+        listener, prod, cons = pair(addr, small)
+        lease = prod.send(np.zeros(1 << 14, "int32"))  # the whole pool
+        r = cons.recv(5)
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhaustedError):
+            prod.send(np.zeros(16, "int32"), timeout=0.3)
+        assert time.monotonic() - t0 >= 0.29
+        threading.Timer(0.2, r.release).start()
+        lease2 = prod.send(np.zeros(16, "int32"), timeout=5)  # waits for the release
+        assert lease.done
+        cons.recv(5).release()
+        lease2.wait(5)
+        with pytest.raises(InvalidArgumentError, match="never fit"):
+            small.alloc(1 << 17)
+        for x in (cons, prod, listener):
+            x.close()
+
+
+# --- peers dying --------------------------------------------------------------------------
+
+def test_find_among_twenty_thousand_live_blocks() -> None:
+    # find bisects a sorted offset list kept up to date by alloc and free, never re-sorting per call
+    with SharedPool(chunk_bytes=8 << 20, max_bytes=8 << 20) as p:
+        blocks = [p.alloc(200) for _ in range(20_000)]
+        for b in blocks:
+            p._ref(b)  # a raw alloc has no user yet; hold it as pool.empty's array would
+        for b in blocks:
+            assert p.find(b.ptr, b.size) is b
+            assert p.find(b.ptr + 100, 4) is b
+            assert p.find(b.ptr + 200, b.size) is None  # straddles into the next block
+        for b in blocks[::2]:
+            p._unref(b)
+        for i, b in enumerate(blocks):
+            assert p.find(b.ptr, 4) is (None if i % 2 == 0 else b)
+        again = p.alloc(200)  # first fit: the lowest freed offset
+        p._ref(again)
+        assert again.offset == blocks[0].offset and p.find(blocks[0].ptr, 4) is again
+        assert p.used_bytes == 10_001 * 256
+
+
+def test_consumer_sigkill_releases_its_leases_and_listener_serves_the_next(addr: str, pool: SharedPool) -> None:
+    with listen(addr, pool=pool) as listener:
+        proc = start("consumer-hold", addr)
+        ch = listener.accept(30)
+        lease = ch.send(np.arange(10, dtype=np.int64))
+        assert proc.stdout.readline().strip() == "held 45"
+        other = ch.send(np.arange(10))  # queued but never received
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        lease.wait(1.0)
+        other.wait(1.0)
+        assert time.monotonic() - t0 < 1.0 and lease.reason == "disconnected"
+        assert pool.used_bytes == 0
+        with pytest.raises(PeerClosedError):
+            ch.send(np.arange(3))
+        ch.close()
+        a = pool.empty(4, "int32")
+        a[:] = [1, 2, 3, 4]
+        proc = start("consumer-verify", addr, "1")
+        with listener.accept(30) as ch2:
+            ch2.send(a, meta={"sha256": digest(a), "shape": [4], "dtype": "int32"}).wait(30)
+        out, err = proc.communicate(timeout=60)
+        assert json.loads(out)["good"] == 1, err
+
+
+def test_producer_sigkill_held_block_stays_readable(addr: str) -> None:
+    proc = start("producer-hold", addr)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        ch = connect(addr, timeout=30)
+        r = ch.recv(30)
+        assert proc.stdout.readline().strip() == "sent"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        with pytest.raises(PeerClosedError):
+            ch.recv(5)
+        a = r.as_array()
+        assert a.tolist() == list(range(1024))
+        r.release()
+        del a
+        ch.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# --- resources ----------------------------------------------------------------------------
+
+def test_no_fd_leaks_and_ten_thousand_handoffs(addr: str) -> None:
+    gc.collect()
+    before = open_fds()
+    with SharedPool(chunk_bytes=1 << 18, max_bytes=1 << 18) as p:  # one chunk: growth adds no fd mid-run
+        listener, prod, cons = pair(addr, p)
+        n = 10_000
+
+        def consume() -> int:
+            total = 0
+            for _ in range(n):
+                with cons.recv(30) as r:
+                    total += int(r.as_array()[0])
+            return total
+
+        get = in_thread(consume)
+        mid = None
+        src = np.zeros(64, "int64")
+        for i in range(n):
+            src[0] = i
+            prod.send(src, timeout=30)
+            if i == 1000:
+                mid = len(open_fds())
+        assert get(120) == n * (n - 1) // 2
+        assert len(open_fds()) == mid
+        for x in (cons, prod, listener):
+            x.close()
+    gc.collect()
+    assert open_fds() == before
+
+
+def test_examples_run_as_two_unrelated_processes(tmp_path: Path) -> None:
+    address = str(tmp_path / "example.sock")
+    env = env_with_src()
+    prod = subprocess.Popen([sys.executable, str(ROOT / "examples" / "producer.py"), "--address", address,
+                             "--count", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cons = subprocess.run([sys.executable, str(ROOT / "examples" / "consumer.py"), "--address", address,
+                           "--count", "3", "--timeout", "30"], capture_output=True, text=True, env=env, timeout=90)
+    pout, perr = prod.communicate(timeout=60)
+    assert cons.returncode == 0, cons.stderr
+    assert cons.stdout.splitlines() == [f"consumer: array {i} int32[1024] ok" for i in range(3)] + ["consumer: done"]
+    assert prod.returncode == 0, perr
+    assert "producer: 3 arrays released" in pout

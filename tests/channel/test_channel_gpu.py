@@ -1,0 +1,136 @@
+"""Channels over device pools (CUDA VMM chunks exported as POSIX fds). Marked ``gpu``.
+
+Each test runs its producer and consumer as spawned processes (CUDA does not
+survive fork), so the pytest process never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SLEEP_KERNEL = r"""
+extern "C" __global__ void late_fill(float* p, unsigned long long n, float v, unsigned long long spins) {
+    unsigned long long t0 = clock64();
+    while ((unsigned long long)(clock64() - t0) < spins) { }
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) p[i] = v;
+}
+"""
+
+
+def _producer(addr: str, device: int, mode: str, ordering: str, q) -> None:
+    try:
+        import numpy as np
+        import torch
+
+        from dmabuf_interop.channel import SharedPool, listen
+
+        torch.cuda.set_device(device)
+        with SharedPool(device, chunk_bytes=2 << 20, max_bytes=64 << 20) as pool, \
+                listen(addr, pool=pool, ordering=ordering) as listener:
+            q.put("listening")
+            with listener.accept(60) as ch:
+                stream = torch.cuda.current_stream(device)
+                if mode == "roundtrip":
+                    t = torch.arange(1 << 16, dtype=torch.float32, device=f"cuda:{device}")
+                    zc = torch.from_dlpack(pool.empty((256, 256), "float32"))
+                    zc.copy_(t.view(256, 256) * 2)
+                    bf = torch.ones(1000, dtype=torch.bfloat16, device=f"cuda:{device}") * 3
+                    leases = [ch.send(t, stream=stream), ch.send(zc, stream=stream), ch.send(bf, stream=stream),
+                              ch.send_many({"w": t[:100], "b": zc[0]}, stream=stream)]
+                    for lease in leases:
+                        lease.wait(60)
+                else:  # ordering: a kernel writes 7.0 after ~0.5 s; the consumer must see it
+                    from cuda.core import LaunchConfig, Program, ProgramOptions, launch
+                    from dmabuf_interop import _driver as driver
+
+                    dev = driver.set_current(device)
+                    code = Program(SLEEP_KERNEL, code_type="c++",
+                                   options=ProgramOptions(arch=f"sm_{dev.arch}")).compile("cubin")
+                    kernel = code.get_kernel("late_fill")
+                    view = pool.empty(1 << 20, "float32")
+                    s = dev.create_stream()
+                    launch(s, LaunchConfig(grid=64, block=256), kernel, np.uint64(view.ptr), np.uint64(1 << 20),
+                           np.float32(7.0), np.uint64(10**9))
+                    ch.send(view, stream=s).wait(60)
+        q.put("ok")
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        q.put(f"producer: {type(exc).__name__}: {exc}")
+
+
+def _consumer(addr: str, device: int, mode: str, q) -> None:
+    try:
+        import numpy as np
+        import torch
+
+        from dmabuf_interop.channel import connect
+
+        torch.cuda.set_device(device)
+        with connect(addr, timeout=60, device=device) as ch:
+            if mode == "roundtrip":
+                with ch.recv(60) as r:
+                    assert r.device == device and r.ordering in ("event", "sync")
+                    assert torch.equal(r.as_tensor().cpu(), torch.arange(1 << 16, dtype=torch.float32))
+                with ch.recv(60) as r:
+                    assert torch.equal(r.as_tensor().cpu(), torch.arange(1 << 16, dtype=torch.float32).view(256, 256) * 2)
+                    try:
+                        import cupy
+
+                        assert float(cupy.from_dlpack(r.as_array()).sum()) == float((np.arange(1 << 16) * 2).sum())
+                    except ImportError:
+                        pass
+                with ch.recv(60) as r:
+                    t = r.as_tensor()
+                    assert r.dtype == "bfloat16" and t.dtype == torch.bfloat16 and float(t.float().sum()) == 3000.0
+                many = ch.recv_many(60)
+                assert torch.equal(many["w"].as_tensor().cpu(), torch.arange(100, dtype=torch.float32))
+                assert torch.equal(many["b"].as_tensor().cpu(), torch.arange(256, dtype=torch.float32) * 2)
+                for r in many.values():
+                    r.release()
+                q.put(f"ok {r.ordering}")
+            else:
+                with ch.recv(60) as r:  # no synchronisation by hand: the stream waited on the producer's event
+                    total = float(r.as_tensor().sum())
+                    q.put(f"ok {r.ordering} {total}")
+    except BaseException as exc:  # noqa: BLE001
+        q.put(f"consumer: {type(exc).__name__}: {exc}")
+
+
+def _run(tmp_path: Path, pdev: int, cdev: int, mode: str, ordering: str = "event") -> str:
+    ctx = mp.get_context("spawn")
+    addr = str(tmp_path / "gpu.sock")
+    pq, cq = ctx.Queue(), ctx.Queue()
+    prod = ctx.Process(target=_producer, args=(addr, pdev, mode, ordering, pq))
+    prod.start()
+    assert pq.get(timeout=120) == "listening"
+    cons = ctx.Process(target=_consumer, args=(addr, cdev, mode, cq))
+    cons.start()
+    try:
+        got = cq.get(timeout=180)
+        assert pq.get(timeout=60) == "ok"
+        return got
+    finally:
+        for p in (prod, cons):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("ordering", ["event", "sync"])
+def test_device_pool_torch_round_trip(tmp_path: Path, ordering: str) -> None:
+    assert _run(tmp_path, 0, 0, "roundtrip", ordering) == f"ok {ordering}"
+
+
+def test_event_orders_a_late_kernel_write(tmp_path: Path) -> None:
+    assert _run(tmp_path, 0, 0, "ordering") == f"ok event {7.0 * (1 << 20)}"
+
+
+@pytest.mark.gpu(count=2)
+def test_consumer_on_the_other_gpu(tmp_path: Path) -> None:
+    assert _run(tmp_path, 0, 1, "roundtrip") == "ok event"

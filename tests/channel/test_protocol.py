@@ -1,0 +1,201 @@
+"""Descriptor and message validation: fuzzed decoders, and a hostile peer on a real socket."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dmabuf_interop.channel import ArrayDescriptor, SharedPool, connect, listen, parse_message
+from dmabuf_interop.channel.protocol import DTYPES, PROTOCOL_VERSION, host_boot_id
+from dmabuf_interop.channel.wire import recv_frame, send_frame
+from dmabuf_interop.errors import ProtocolError
+from dmabuf_interop.fdpass import send_message
+
+GOOD = {"chunk": 1, "block_offset": 256, "block_bytes": 1024, "byte_offset": 8, "shape": [4, 3],
+        "strides": [24, 8], "dtype": "float64", "ordering": "none", "event": None, "name": None, "meta": {"a": 1}}
+
+
+def test_good_descriptor_round_trips() -> None:
+    d = ArrayDescriptor.from_json(dict(GOOD))
+    assert d.shape == (4, 3) and d.extent() == 8 + 3 * 24 + 2 * 8 + 8
+    assert ArrayDescriptor.from_json(d.to_json()) == d
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("chunk", True, "must be an integer"),
+    ("chunk", -1, "outside"),
+    ("block_bytes", 1.5, "must be an integer"),
+    ("shape", [4, True], "expected integers"),
+    ("strides", [-24, 8], "expected integers"),
+    ("strides", [24, 4], "multiples"),
+    ("shape", [400, 3], "outside its 1024-byte block"),
+    ("byte_offset", 1024, "outside"),
+    ("dtype", "object", "unknown dtype"),
+    ("dtype", ">f8", "unknown dtype"),
+    ("ordering", "maybe", "unknown ordering"),
+    ("event", "AAAA", "event handle came with"),
+    ("meta", [1], "must be a JSON object"),
+    ("meta", {"x": "y" * 70000}, "more than"),
+])
+def test_bad_descriptor_fields(field: str, value: object, text: str) -> None:
+    obj = dict(GOOD)
+    obj[field] = value
+    with pytest.raises(ProtocolError, match=text):
+        ArrayDescriptor.from_json(obj)
+
+
+def test_missing_and_extra_fields() -> None:
+    obj = dict(GOOD)
+    del obj["shape"]
+    with pytest.raises(ProtocolError, match="missing"):
+        ArrayDescriptor.from_json(obj)
+    with pytest.raises(ProtocolError, match="unexpected"):
+        ArrayDescriptor.from_json({**GOOD, "ptr": 1})
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                           | st.text(max_size=8),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                           max_leaves=12)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(sorted(GOOD) + ["x"]), json_values, max_size=12))
+def test_fuzz_descriptor_only_protocol_errors(obj: dict) -> None:
+    try:
+        d = ArrayDescriptor.from_json(obj)
+    except ProtocolError:
+        return
+    assert d.extent() <= d.block_bytes and d.dtype in DTYPES
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({k: st.one_of(st.just(v), json_values) for k, v in GOOD.items()}))
+def test_fuzz_near_valid_descriptors(obj: dict) -> None:
+    try:
+        d = ArrayDescriptor.from_json(obj)
+    except ProtocolError:
+        return
+    assert all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (*d.shape, *d.strides))
+    assert d.extent() <= d.block_bytes
+
+
+@settings(max_examples=400)
+@given(st.dictionaries(st.sampled_from(["kind", "lease", "desc", "items", "mapping", "leases", "chunk", "size",
+                                        "mechanism", "device_uuid", "reason"]),
+                       st.sampled_from(["hello", "chunk", "retire", "array", "arrays", "release", "bye", "refuse",
+                                        "nope"]) | json_values, max_size=6))
+def test_fuzz_messages_only_protocol_errors(msg: dict) -> None:
+    try:
+        parse_message(msg)
+    except ProtocolError:
+        pass
+
+
+# --- a hostile listener: it completes the handshake, then misbehaves --------------------------------
+
+def hostile(addr: str, script) -> threading.Thread:
+    import socket
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(addr)
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        srv.close()
+        send_frame(conn, {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": "x", "boot_id": host_boot_id(),
+                          "gpus": [], "pid": os.getpid()})
+        recv_frame(conn, 10)
+        script(conn)
+        try:
+            recv_frame(conn, 10)  # the victim hangs up
+        except Exception:  # noqa: BLE001
+            pass
+        conn.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def desc(**kw) -> dict:
+    return {**GOOD, "meta": None, **kw}
+
+
+@pytest.mark.parametrize("name, script, text", [
+    ("unknown chunk", lambda c: send_frame(c, {"kind": "array", "lease": 1, "desc": desc()}), "unknown chunk"),
+    ("unknown kind", lambda c: send_frame(c, {"kind": "launch"}), "unknown message kind"),
+    ("bool lease", lambda c: send_frame(c, {"kind": "array", "lease": True, "desc": desc()}), "integer"),
+    ("release of a lease never lent", lambda c: send_frame(c, {"kind": "release", "leases": [7]}), "unknown lease"),
+    ("hello again", lambda c: send_frame(c, {"kind": "hello", "protocol": 1, "library": "x", "boot_id": "b",
+                                             "gpus": [], "pid": 1}), "after the handshake"),
+])
+def test_hostile_messages_close_the_channel(tmp_path: Path, name: str, script, text: str) -> None:
+    addr = str(tmp_path / "h.sock")
+    t = hostile(addr, script)
+    with connect(addr, timeout=10) as ch:
+        with pytest.raises(ProtocolError, match=text):
+            ch.recv(10)
+        assert ch.closed
+    t.join(10)
+
+
+def test_hostile_chunk_fds_are_checked_before_mapping(tmp_path: Path) -> None:
+    r, w = os.pipe()
+
+    def script(c) -> None:
+        send_message(c, {"kind": "chunk", "chunk": 1, "size": 4096, "mechanism": "memfd", "device_uuid": ""}, r)
+
+    addr = str(tmp_path / "h.sock")
+    t = hostile(addr, script)
+    with connect(addr, timeout=10) as ch:
+        with pytest.raises(ProtocolError, match="not a memfd"):
+            ch.recv(10)
+    t.join(10)
+    os.close(r)
+    os.close(w)
+
+
+def test_hostile_block_outside_its_chunk(tmp_path: Path) -> None:
+    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+
+    def script(c) -> None:
+        send_message(c, {"kind": "chunk", "chunk": 1, "size": 4096, "mechanism": "memfd", "device_uuid": ""}, fd)
+        send_frame(c, {"kind": "array", "lease": 1, "desc": desc(block_offset=4096 - 256)})
+
+    addr = str(tmp_path / "h.sock")
+    t = hostile(addr, script)
+    with connect(addr, timeout=10) as ch:
+        with pytest.raises(ProtocolError, match="outside chunk"):
+            ch.recv(10)
+    t.join(10)
+    os.close(fd)
+
+
+def test_negative_strides_are_copied_c_contiguous(tmp_path: Path) -> None:
+    addr = str(tmp_path / "s.sock")
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool, listen(addr, pool=pool) as listener:
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("ch", connect(addr, timeout=10)))
+        t.start()
+        with listener.accept(10) as ch:
+            t.join()
+            z = pool.empty(8, "float32")
+            z[:] = np.arange(8)
+            lease = ch.send(z[::-1])  # negative strides: copied, C-contiguous
+            with got["ch"].recv(5) as r:
+                assert r.as_array().tolist() == list(range(7, -1, -1))
+                assert r.strides == (4,)
+            lease.wait(5)
+        got["ch"].close()
