@@ -239,7 +239,7 @@ def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
         attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED"
     else:
         attribute = "DMA_BUF_SUPPORTED"
-    device = facts["ordinal"]
+    device, start, size = facts["ordinal"], facts["range_start"], facts["range_size"]
     if facts["context"] == 0 and not facts["mempool"]:  # a cuMemMap mapping belongs to no context
         try:
             handle = driver.vmm_retain_handle(ptr)
@@ -250,7 +250,9 @@ def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
                 device = driver.vmm_allocation_device(handle)
             finally:
                 driver.vmm_release(handle)
-    return device, facts["range_start"], facts["range_size"], attribute, bool(facts["mempool"])
+            # The cuMemCreate chunk holding ptr, so that a range across chunks is walked chunk by chunk.
+            start, size = driver.mem_address_range(ptr)
+    return device, start, size, attribute, bool(facts["mempool"])
 
 
 def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
