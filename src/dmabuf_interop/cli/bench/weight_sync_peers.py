@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from .weight_sync import _steps, _Torch
+from .weight_sync_backends import _steps, _Torch
 
 #: Bucket size of the ``ipc-buckets`` peer, bytes.
 BUCKET_BYTES = 512 << 20
