@@ -422,13 +422,6 @@ def memory_type_host() -> int:
     return int(bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
-def host_alloc_flags(ptr: int) -> int | None:
-    """``cuMemHostGetFlags``: the flags of ``cuMemAllocHost``/``cuMemHostAlloc`` memory; ``None`` for
-    other host memory (``cuMemHostRegister``), for which the driver answers ``INVALID_VALUE``."""
-    err, flags = bindings().cuMemHostGetFlags(ptr)
-    return int(flags) if int(err) == 0 else None
-
-
 def memset_d8(ptr: int, value: int, nbytes: int) -> None:
     """``cuMemsetD8``: set ``nbytes`` bytes at ``ptr`` to ``value``."""
     call(bindings().cuMemsetD8, ptr, value, nbytes)

@@ -23,7 +23,7 @@ from typing import TextIO
 from ._time import deadline_after
 from .errors import SyscallError, WaitTimeoutError
 
-__all__ = ["ChildExit", "wait_child", "reap_child", "make_children_waitable"]
+__all__ = ["ChildExit", "wait_child", "reap_child", "make_children_waitable", "host_mapping"]
 
 
 def make_children_waitable() -> None:
@@ -118,3 +118,19 @@ def reap_child(pid: int, timeout: float | None = None, report: TextIO | None = s
     if not result.ok and report is not None:
         print(result.describe(), file=report, flush=True)
     return result.ok
+
+
+def host_mapping(addr: int) -> tuple[str, str] | None:
+    """``(permissions, path)`` of this process's mapping that holds ``addr``, from
+    ``/proc/self/maps`` (proc(5)): ``permissions`` as ``"rw-s"``, ``path`` ``""`` for an
+    anonymous mapping. ``None`` when ``addr`` is unmapped or ``/proc`` is not mounted."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, _, hi = fields[0].partition("-")
+                if int(lo, 16) <= addr < int(hi, 16):
+                    return fields[1], fields[5].strip() if len(fields) > 5 else ""
+    except OSError:
+        return None
+    return None

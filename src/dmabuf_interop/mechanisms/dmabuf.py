@@ -51,6 +51,7 @@ from ..descriptor import ShareDescriptor
 from ..errors import AlignmentError, CudaError, CudaNotSupportedError, InvalidArgumentError, NotSupportedError
 from ..fd import OwnedFd
 from ..linux_dmabuf import DmaBuf, dmabuf_info
+from ..procs import host_mapping
 from ._base import Mechanism
 
 __all__ = ["export_host", "export_device", "export_range", "import_dmabuf", "pointer_and_size",
@@ -206,6 +207,22 @@ def _vmm_chunks_after(ptr: int, chunk_end: int, end: int) -> tuple[list[int], in
     return boundaries, chunk_end
 
 
+def _is_registered_host_memory(ptr: int) -> bool:
+    """Whether host memory at ``ptr`` was registered with ``cuMemHostRegister`` rather than
+    allocated by the driver (``cuMemAllocHost``/``cuMemHostAlloc``). The driver answers both
+    alike (``cuPointerGetAttributes``, ``cuMemHostGetFlags``); what differs is the mapping:
+    the driver allocates pinned memory as a shared anonymous mapping (``/dev/zero (deleted)``
+    in ``/proc/self/maps``) or a mapping of an ``/dev/nvidia*`` device, while registered memory
+    is the caller's own (heap, private anonymous, a file). Without ``/proc`` it answers False,
+    so the message falls back to the device attribute."""
+    mapping = host_mapping(ptr)
+    if mapping is None:
+        return False
+    perms, path = mapping
+    driver_made = perms[3:4] == "s" and (path == "/dev/zero (deleted)" or path.startswith("/dev/nvidia"))
+    return not driver_made
+
+
 def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
     """``(device, base, size, attribute, pool)`` of the memory at ``ptr`` from one
     ``cuPointerGetAttributes`` call; ``attribute`` is the capability that governs its export and
@@ -231,7 +248,7 @@ def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
             f"0x{ptr:x} is managed memory (cuMemAllocManaged), which the driver does not export as a dma-buf: "
             f"copy it into device memory (cuMemAlloc) and export that")
     if facts["memory_type"] == driver.memory_type_host():
-        if driver.host_alloc_flags(ptr) is None:
+        if _is_registered_host_memory(ptr):
             raise NotSupportedError(
                 f"0x{ptr:x} is host memory registered with cuMemHostRegister, which the driver does not export "
                 f"as a dma-buf: copy it into device memory (cuMemAlloc), or allocate it with cuMemAllocHost "
@@ -251,6 +268,9 @@ def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
             finally:
                 driver.vmm_release(handle)
             # The cuMemCreate chunk holding ptr, so that a range across chunks is walked chunk by chunk.
+            # cuMemGetAddressRange finds a mapping only from a context of the device that holds it
+            # (CUDA_ERROR_NOT_FOUND from another device's context).
+            driver.set_current(device)
             start, size = driver.mem_address_range(ptr)
     return device, start, size, attribute, bool(facts["mempool"])
 
