@@ -32,6 +32,7 @@ import json
 import os
 import resource
 import select
+import _socket
 import socket
 import struct
 import time
@@ -100,10 +101,17 @@ def _check_unix(sock: socket.socket) -> None:
         raise InvalidArgumentError(f"expected a socket.socket, got {type(sock).__name__}")
     if sock.fileno() == -1:
         raise InvalidArgumentError("the socket is closed")
-    if sock.family != socket.AF_UNIX:
+    # The C-level family (an int): socket.socket.family converts it to an enum on every read.
+    if _socket.socket.family.__get__(sock) != socket.AF_UNIX:
         raise InvalidArgumentError(
             f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
 
+
+# Plain ints: socket's flags are enums, and combining enums costs more than the syscall.
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+#: One encoder for every message (``json.dumps`` with options builds a new one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 #: poll(2) takes a C int of milliseconds (about 24.8 days); longer waits are done in slices.
 _MAX_POLL_MS = 2**31 - 1
@@ -140,7 +148,7 @@ def encode_message(obj: dict[str, Any], max_bytes: int = MAX_MESSAGE) -> bytes:
     if not isinstance(obj, dict):
         raise InvalidArgumentError(f"a message is a dict, got {type(obj).__name__}")
     try:
-        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        body = _ENCODER.encode(obj).encode()
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"message is not JSON-serialisable: {exc}") from exc
     if len(body) > max_bytes:
@@ -182,16 +190,16 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
     pending_fd = fd
     try:
         while view:
-            _wait_writable(sock, deadline)
-            try:
+            try:  # a socket with room costs one send, no poll
                 if pending_fd is not None:
                     rights = array.array("i", [pending_fd])
                     sent = sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
-                                       socket.MSG_DONTWAIT)
+                                       _DONTWAIT)
                     pending_fd = None
                 else:
-                    sent = sock.send(view, socket.MSG_DONTWAIT)
+                    sent = sock.send(view, _DONTWAIT)
             except BlockingIOError:
+                _wait_writable(sock, deadline)
                 continue
             view = view[sent:]
     except BaseException as exc:
@@ -253,7 +261,7 @@ def close_fds(fds: list[int]) -> None:
             pass
 
 
-def _recvmsg(sock: socket.socket, bufsize: int, fds: list[int]) -> tuple[bytes, int]:
+def _recvmsg(sock: socket.socket, bufsize: int, fds: list[int], call_flags: int = 0) -> tuple[bytes, int]:
     """``recvmsg`` with ``MSG_CMSG_CLOEXEC``: ``(data, msg_flags)``; ``SCM_RIGHTS`` fds are appended
     to ``fds``, and every other fd the kernel installed (``SCM_PIDFD``) is closed at once.
 
@@ -261,7 +269,9 @@ def _recvmsg(sock: socket.socket, bufsize: int, fds: list[int]) -> tuple[bytes, 
     (python/cpython#107898), so the fds would arrive inheritable.
     """
     try:
-        data, ancdata, flags, _ = sock.recvmsg(bufsize, _CMSG_BUFSIZE, socket.MSG_CMSG_CLOEXEC)
+        data, ancdata, flags, _ = sock.recvmsg(bufsize, _CMSG_BUFSIZE, _CLOEXEC | call_flags)
+    except BlockingIOError:
+        raise  # MSG_DONTWAIT found nothing: the caller polls
     except ConnectionResetError as exc:
         raise PeerClosedError(f"peer reset the connection: {exc}") from exc
     except OSError as exc:
@@ -294,7 +304,7 @@ def _fd_limit_error(narrived: int) -> FdLimitError | None:
 
 
 def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1,
-                 max_bytes: int = MAX_MESSAGE) -> tuple[dict[str, Any], list[int]]:
+                 max_bytes: int = MAX_MESSAGE, rest_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """Receive one framed message and the fds that rode on it.
 
     The whole frame is read before the message is judged, so a rejected message
@@ -308,6 +318,10 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
         max_fds: how many fds the message may carry (more is a ProtocolError).
         max_bytes: the largest JSON body accepted (default :data:`MAX_MESSAGE`, 64 KiB);
             a larger announced length is a ProtocolError before any of it is read.
+        rest_timeout: when given, ``timeout`` bounds only the wait for the first byte, and the
+            rest of a message once begun gets ``rest_timeout`` seconds of its own; so a short
+            ``timeout`` that ends while a large message is arriving does not cut it off (which
+            would break the connection).
 
     Returns:
         ``(message, fds)``; the caller owns every fd in ``fds`` (close-on-exec).
@@ -324,14 +338,20 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
     _check_unix(sock)
     _check_in_step(sock, _broken_recv, "receive")
     deadline = _deadline(timeout)
-    _wait_readable(sock, deadline, "a message")
     stream = sock.type == socket.SOCK_STREAM
     fds: list[int] = []
     started = False
+    # On a stream socket read only the header first, so that the next message
+    # (and any fd riding on it) is never swallowed together with this one.
+    first = _HEADER.size if stream else _HEADER.size + max_bytes
     try:
-        # On a stream socket read only the header first, so that the next message
-        # (and any fd riding on it) is never swallowed together with this one.
-        data, flags = _recvmsg(sock, _HEADER.size if stream else _HEADER.size + max_bytes, fds)
+        try:  # a message already waiting costs one recvmsg, no poll
+            data, flags = _recvmsg(sock, first, fds, _DONTWAIT)
+        except BlockingIOError:
+            _wait_readable(sock, deadline, "a message")
+            data, flags = _recvmsg(sock, first, fds)
+        if rest_timeout is not None:
+            deadline = _deadline(rest_timeout)
         if not data:
             if fds:
                 raise ProtocolError("fds arrived with no message bytes")
@@ -374,8 +394,11 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
 
 def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> tuple[bytes, int]:
     """Up to ``n`` more bytes of a message already begun (fds that ride on them go to ``fds``)."""
-    _wait_readable(sock, deadline, "the rest of a message")
-    chunk, flags = _recvmsg(sock, n, fds)
+    try:
+        chunk, flags = _recvmsg(sock, n, fds, _DONTWAIT)
+    except BlockingIOError:
+        _wait_readable(sock, deadline, "the rest of a message")
+        chunk, flags = _recvmsg(sock, n, fds)
     if not chunk:
         raise PeerClosedError("peer closed the socket in the middle of a message")
     return chunk, flags

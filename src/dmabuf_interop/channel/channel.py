@@ -1,12 +1,16 @@
 """`Channel`: one connection over which arrays travel as descriptors into a shared pool.
 
-Either end may send (with a :class:`.pool.SharedPool`) and receive. A
-background reader thread per channel reads every incoming message: chunk
-announcements (imported, i.e. mapped, once and kept until retired or the
-connection ends), arrays (queued for :meth:`Channel.recv`), and release batches
-(which complete :class:`Lease` objects and return blocks to the pool). When the
-peer goes (EOF, even by SIGKILL) the reader completes every lease it held at
-once, so the blocks return to the pool.
+Either end may send (with a :class:`.pool.SharedPool`) and receive. Incoming
+messages are chunk announcements (imported, i.e. mapped, once and kept until
+retired or the connection ends), arrays (queued for :meth:`Channel.recv`), and
+release batches (which complete :class:`Lease` objects and return blocks to the
+pool). Who reads them: a channel that has only received reads its socket in the
+caller's thread, inside :meth:`Channel.recv`, so an array reaches the caller
+without a hand-over between threads. Once a channel has lent a block (its first
+``send``) a background reader thread takes over the socket for good, so that
+releases and the peer's death are seen while the caller does something else:
+when the peer goes (EOF, even by SIGKILL) it completes every lease at once and
+the blocks return to the pool.
 """
 
 from __future__ import annotations
@@ -82,12 +86,16 @@ class Lease:
         self.id = lease_id
         self._blocks = blocks
         self._event = event
-        self._done = threading.Event()
+        # Held while the lease is out; released once on completion. A bare lock, not a
+        # threading.Event: a lease is made per send, and an Event costs a Condition and two locks.
+        self._out = threading.Lock()
+        self._out.acquire()
+        self._completing = threading.Lock()
         self.reason: str | None = None
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._out.locked()
 
     def wait(self, timeout: float | None = 60.0) -> None:
         """Wait until the peer has released the block(s).
@@ -95,19 +103,23 @@ class Lease:
         Raises:
             WaitTimeoutError: still lent out after ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
+        if not self._out.locked():
+            return
+        if not self._out.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
             raise WaitTimeoutError(f"lease {self.id} still held by the peer after {timeout} s")
+        self._out.release()
 
     def _complete(self, reason: str) -> None:
-        if self._done.is_set():
-            return
-        self.reason = reason
+        with self._completing:
+            if self.reason is not None:
+                return
+            self.reason = reason
         for b in self._blocks:
             b.pool._unref(b)
         if self._event is not None:
             self._blocks[0].pool._give_event(self._event)
         self._blocks = []
-        self._done.set()
+        self._out.release()
 
     def __repr__(self) -> str:
         return f"<Lease {self.id} {'done: ' + str(self.reason) if self.done else 'out'}>"
@@ -338,12 +350,20 @@ def _inspect(array: Any) -> _Source:
             return _Source(int(array.ptr), shape, strides, dt.name, array.device_id if array.is_device_accessible
                            and not _is_host_ptr(array) else -1, array)
         array = np.asarray(array)
-    if array.dtype.byteorder == ">":
-        raise InvalidArgumentError("big-endian arrays cannot travel: convert with astype(dtype.newbyteorder('='))")
-    name = array.dtype.name
-    if name == "bfloat16" or (array.dtype.kind == "V" and "bfloat16" in str(array.dtype)):
-        name = "bfloat16"
-    return _Source(int(array.__array_interface__["data"][0]), array.shape, array.strides, name, -1, array)
+    name = _NUMPY_NAMES.get(array.dtype)
+    if name is None:
+        if array.dtype.byteorder == ">":
+            raise InvalidArgumentError("big-endian arrays cannot travel: convert with "
+                                       "astype(dtype.newbyteorder('='))")
+        name = array.dtype.name
+        if name == "bfloat16" or (array.dtype.kind == "V" and "bfloat16" in str(array.dtype)):
+            name = "bfloat16"
+        _NUMPY_NAMES[array.dtype] = name
+    return _Source(array.ctypes.data, array.shape, array.strides, name, -1, array)
+
+
+#: NumPy dtype -> wire dtype name (``dtype.name`` builds a new string on every read).
+_NUMPY_NAMES: dict[Any, str] = {}
 
 
 def _is_host_ptr(view: Any) -> bool:
@@ -392,9 +412,20 @@ class Channel:
         self._pending: list[int] = []
         self._opened_events: dict[bytes, Any] = {}
         self._flusher: threading.Thread | None = None
+        # Held by whoever reads the socket: recv() in the caller's thread, or the background
+        # reader, which keeps it from its start to the end of the connection.
+        self._read_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
         if pool is not None:
             pool._register_channel(self)
-        self._reader = threading.Thread(target=self._read_loop, name="dmabuf-interop-channel-reader", daemon=True)
+
+    def _start_reader(self) -> None:
+        """Start the background reader (idempotent): from now on it alone reads the socket."""
+        with self._state:
+            if self._reader is not None:
+                return
+            self._reader = threading.Thread(target=self._read_loop, name="dmabuf-interop-channel-reader",
+                                            daemon=True)
         self._reader.start()
 
     # --- sending --------------------------------------------------------------------
@@ -582,6 +613,8 @@ class Channel:
             for _, block, *_ in placed:
                 block.pool._unref(block)
             raise
+        if self._reader is None:
+            self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next(_lease_ids), [p[1] for p in placed], event)
         ev64 = base64.b64encode(event[1]).decode() if event is not None else None
         descs = []
@@ -612,10 +645,15 @@ class Channel:
     # --- receiving ------------------------------------------------------------------
 
     def _next(self, timeout: float | None, want_batch: bool) -> Any:
-        self._flush()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._state:
-            while not self._queue:
+        while True:
+            if self._pending and not self._queue:
+                self._flush()  # about to wait: send the releases now rather than after RELEASE_DELAY
+            with self._state:
+                if self._queue:
+                    if self._queue[0][0] == "arrays" and not want_batch:
+                        raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
+                    return self._queue.popleft()
                 if self._eof or self._closed:
                     err = self._error
                     if isinstance(err, (ProtocolError, PeerRefusedError)):
@@ -625,12 +663,16 @@ class Channel:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise WaitTimeoutError(f"no array from the peer within {timeout} s")
-                self._state.wait(remaining)
-            item = self._queue[0]
-            is_batch = item[0] == "arrays"
-            if is_batch and not want_batch:
-                raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
-            return self._queue.popleft()
+                if self._reader is not None or not self._read_lock.acquire(blocking=False):
+                    # Another thread reads the socket: it queues what arrives and notifies.
+                    self._state.wait(remaining)
+                    continue
+            try:
+                self._read_one(deadline)  # in this thread: no hand-over between threads
+            finally:
+                self._read_lock.release()
+                with self._state:
+                    self._state.notify_all()  # a thread waiting above may now read
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int) -> list[Received]:
         out = [Received(self, lease_id, d, self._imports[d.chunk], stream) for d in descs]
@@ -716,21 +758,31 @@ class Channel:
     # --- the reader thread ---------------------------------------------------------------
 
     def _read_loop(self) -> None:
+        with self._read_lock:  # waits for a recv() reading in its caller's thread to finish
+            while not self._eof:
+                self._read_one(None)
+
+    def _read_one(self, deadline: float | None) -> None:
+        """Read and handle one message (the caller holds ``_read_lock``); a message that ends the
+        connection, or breaks the protocol, ends it here (:meth:`_end`). Past ``deadline``
+        nothing happens: the caller's own deadline check raises."""
+        if self._eof:
+            return
         try:
-            while True:
-                msg, fds = recv_frame(self._sock, None)
-                try:
-                    self._handle(msg, fds)
-                finally:
-                    close_fds(fds)
-        except PeerClosedError as exc:
+            msg, fds = recv_frame(self._sock, None if deadline is None else max(deadline - time.monotonic(), 0))
+        except WaitTimeoutError:
+            return
+        except (DmaBufError, OSError, ValueError) as exc:
             self._error = exc
-        except (ProtocolError, PeerRefusedError) as exc:
-            self._error = exc
-        except (OSError, ValueError, DmaBufError) as exc:
-            self._error = exc
-        finally:
             self._end()
+            return
+        try:
+            self._handle(msg, fds)
+        except (DmaBufError, OSError, ValueError) as exc:
+            self._error = exc
+            self._end()
+        finally:
+            close_fds(fds)
 
     def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         kind, descs = parse_message(msg)
@@ -857,8 +909,17 @@ class Channel:
                     pass
         with self._state:
             self._state.notify_all()
-        if threading.current_thread() is not self._reader:
-            self._reader.join(timeout)
+            reader = self._reader
+        if reader is None:
+            # No background reader: end the connection here, once no recv() is reading.
+            if self._read_lock.acquire(timeout=timeout):
+                try:
+                    if not self._eof:
+                        self._end()
+                finally:
+                    self._read_lock.release()
+        elif threading.current_thread() is not reader:
+            reader.join(timeout)
         if self._opened_events:
             from .. import _driver as driver
 

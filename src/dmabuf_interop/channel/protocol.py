@@ -77,11 +77,11 @@ def _str(obj: dict[str, Any], key: str, max_len: int = 256) -> str:
     return v
 
 
-def _keys(obj: Any, required: set[str], what: str) -> None:
+def _keys(obj: Any, required: "set[str] | frozenset[str]", what: str) -> None:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
-    got = set(obj)
-    if got != required:
+    if obj.keys() != required:
+        got = set(obj)
         missing, extra = sorted(required - got), sorted(got - required)
         raise ProtocolError(f"{what} has the wrong fields (missing {missing}, unexpected {extra})")
 
@@ -160,13 +160,13 @@ class ArrayDescriptor:
         return None if self.event is None else base64.b64decode(self.event)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object that travels in ``array`` / ``arrays`` messages (validated first)."""
-        obj = {"chunk": self.chunk, "block_offset": self.block_offset, "block_bytes": self.block_bytes,
-               "byte_offset": self.byte_offset, "shape": list(self.shape), "strides": list(self.strides),
-               "dtype": self.dtype, "ordering": self.ordering, "event": self.event, "name": self.name,
-               "meta": self.meta}
-        ArrayDescriptor.from_json(obj)  # the sender holds itself to the receiver's rules
-        return obj
+        """The JSON object that travels in ``array`` / ``arrays`` messages. Not validated here: the
+        sender builds it from its own pool's blocks after checking the caller's array, and the
+        receiver validates it (:meth:`from_json`)."""
+        return {"chunk": self.chunk, "block_offset": self.block_offset, "block_bytes": self.block_bytes,
+                "byte_offset": self.byte_offset, "shape": list(self.shape), "strides": list(self.strides),
+                "dtype": self.dtype, "ordering": self.ordering, "event": self.event, "name": self.name,
+                "meta": self.meta}
 
     @classmethod
     def from_json(cls, obj: Any) -> "ArrayDescriptor":
@@ -180,7 +180,7 @@ class ArrayDescriptor:
                 that is not an object or is over :data:`MAX_META_BYTES`, or a
                 layout reaching outside ``block_bytes``.
         """
-        _keys(obj, set(cls._FIELDS), "array descriptor")
+        _keys(obj, cls._FIELDS, "array descriptor")
         chunk = _int(obj, "chunk")
         block_offset = _int(obj, "block_offset")
         block_bytes = _int(obj, "block_bytes")

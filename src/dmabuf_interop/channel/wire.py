@@ -18,6 +18,8 @@ __all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
 
 #: Largest JSON body of one channel message, in bytes.
 MAX_FRAME = 16 * 1024 * 1024
+#: Seconds the rest of a message may take once its first byte has arrived.
+REST_TIMEOUT = 60.0
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None = 60.0) -> None:
@@ -33,11 +35,13 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
 
 def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
     """Receive one message and the fd on it, if any (``recvmsg`` with ``MSG_CMSG_CLOEXEC``); the caller
-    owns the fd.
+    owns the fd. ``timeout`` bounds the wait for the message to begin; once begun, the rest has
+    :data:`REST_TIMEOUT` seconds, so a short ``timeout`` never cuts a large message in two.
 
     Raises:
-        PeerClosedError: EOF. WaitTimeoutError: nothing within ``timeout`` seconds.
+        PeerClosedError: EOF. WaitTimeoutError: nothing within ``timeout`` seconds, or the rest of a
+            message not within :data:`REST_TIMEOUT`.
         ProtocolError: a truncated control message, bad framing, or a body that is not a JSON object
             (every fd that arrived is closed first).
     """
-    return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME)
+    return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
