@@ -635,6 +635,22 @@ def stream_wait_event(stream: int, event: Any) -> None:
     call(drv.cuStreamWaitEvent, drv.CUstream(stream), event, 0)
 
 
+def stream_idle(stream: int) -> bool:
+    """``cuStreamQuery``: True when all work queued on ``stream`` has completed
+    (``CUDA_SUCCESS``), False while some is pending (``CUDA_ERROR_NOT_READY``).
+
+    Raises:
+        CudaError: any other result (a bad stream handle, a sticky error).
+    """
+    drv = bindings()
+    err = drv.cuStreamQuery(drv.CUstream(stream))[0]
+    if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    if int(err) != 0:
+        raise_for("cuStreamQuery", err)
+    return True
+
+
 def stream_synchronize(stream: int) -> None:
     """``cuStreamSynchronize`` of the stream handle ``stream``."""
     drv = bindings()

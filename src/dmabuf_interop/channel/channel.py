@@ -313,8 +313,15 @@ class _Source:
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # bytes
     dtype: str
-    device: int  # -1: host
+    known_device: int | None  # -1: host; None: ask the driver only if a copy needs it
     obj: Any
+
+    @property
+    def device(self) -> int:
+        if self.known_device is None:  # a StridedMemoryView: device memory, or host memory CUDA knows
+            view = self.obj
+            self.known_device = view.device_id if view.is_device_accessible and not _is_host_ptr(view) else -1
+        return self.known_device
 
 
 def _inspect(array: Any) -> _Source:
@@ -347,8 +354,7 @@ def _inspect(array: Any) -> _Source:
             shape = tuple(array.shape)
             strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
                        else c_strides(shape, dt.itemsize))
-            return _Source(int(array.ptr), shape, strides, dt.name, array.device_id if array.is_device_accessible
-                           and not _is_host_ptr(array) else -1, array)
+            return _Source(int(array.ptr), shape, strides, dt.name, None, array)
         array = np.asarray(array)
     name = _NUMPY_NAMES.get(array.dtype)
     if name is None:
@@ -412,6 +418,10 @@ class Channel:
         self._pending: list[int] = []
         self._opened_events: dict[bytes, Any] = {}
         self._flusher: threading.Thread | None = None
+        # The flusher has its own wake-up, so that it never competes with recv() for the GIL
+        # when an array arrives; and _state is notified only when a recv() waits on it.
+        self._flush_wake = threading.Event()
+        self._waiters = 0
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
         self._read_lock = threading.Lock()
@@ -540,8 +550,9 @@ class Channel:
             meta: a JSON object (at most 64 KiB) delivered with the array.
             timeout: seconds to wait for pool room when copying.
             ordering: device pools: ``"event"`` (record an interprocess event on
-                ``stream``, ``cuEventRecord``) or ``"sync"`` (``cuStreamSynchronize``);
-                default: the channel's.
+                ``stream``, ``cuEventRecord``; skipped, and sent as ``"sync"``, when
+                ``cuStreamQuery`` finds nothing pending on ``stream``) or ``"sync"``
+                (``cuStreamSynchronize``); default: the channel's.
 
         Returns:
             a :class:`Lease`, done when the peer has released the block.
@@ -603,6 +614,8 @@ class Channel:
                 if ordering == "sync":
                     driver.stream_synchronize(h)
                     order = "sync"
+                elif driver.stream_idle(h):
+                    order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
                 else:
                     event = dev_pool._take_event()
                     driver.event_record(event[0], h)
@@ -665,14 +678,19 @@ class Channel:
                     raise WaitTimeoutError(f"no array from the peer within {timeout} s")
                 if self._reader is not None or not self._read_lock.acquire(blocking=False):
                     # Another thread reads the socket: it queues what arrives and notifies.
-                    self._state.wait(remaining)
+                    self._waiters += 1
+                    try:
+                        self._state.wait(remaining)
+                    finally:
+                        self._waiters -= 1
                     continue
             try:
                 self._read_one(deadline)  # in this thread: no hand-over between threads
             finally:
                 self._read_lock.release()
-                with self._state:
-                    self._state.notify_all()  # a thread waiting above may now read
+                if self._waiters:
+                    with self._state:
+                        self._state.notify_all()  # a thread waiting above may now read
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int) -> list[Received]:
         out = [Received(self, lease_id, d, self._imports[d.chunk], stream) for d in descs]
@@ -734,7 +752,7 @@ class Channel:
                 self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",
                                                  daemon=True)
                 self._flusher.start()
-            self._state.notify_all()
+        self._flush_wake.set()
 
     def _flush(self) -> None:
         with self._state:
@@ -747,11 +765,10 @@ class Channel:
 
     def _flush_loop(self) -> None:
         while True:
-            with self._state:
-                while not self._pending and not (self._eof or self._closed):
-                    self._state.wait()
-                if not self._pending:
-                    return
+            self._flush_wake.wait()
+            self._flush_wake.clear()  # a release after this is flushed below or wakes us again
+            if self._eof or self._closed:
+                return
             time.sleep(RELEASE_DELAY)  # let a burst of releases share one message
             self._flush()
 
@@ -812,7 +829,8 @@ class Channel:
                 if descs:
                     self._held[lease_id] = len(descs)
                     self._queue.append((kind, lease_id, descs, kind == "arrays" and msg["mapping"]))
-                    self._state.notify_all()
+                    if self._waiters:
+                        self._state.notify_all()
                 elif not (self._eof or self._closed):
                     self._pending.append(lease_id)  # an empty batch: nothing to hold
         elif kind == "release":
@@ -874,6 +892,7 @@ class Channel:
                 leases = list(self._leases.values())
                 self._leases.clear()
                 self._state.notify_all()
+            self._flush_wake.set()  # the flusher sees the end and exits
             try:
                 self._sock.close()
             except OSError:
@@ -907,6 +926,7 @@ class Channel:
                     self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader, which closes the socket
                 except OSError:
                     pass
+        self._flush_wake.set()
         with self._state:
             self._state.notify_all()
             reader = self._reader
