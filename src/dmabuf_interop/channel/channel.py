@@ -162,6 +162,52 @@ def _finalize_received(channel_ref: Any, lease_id: int, chunk: _ImportedChunk) -
     chunk.release()
 
 
+class _Keep:
+    """The DLPack owner of a batch's chunk tensors: it keeps alive every Received whose tensor
+    is a view of them, so that no safety-net release happens while such a view lives."""
+
+    __slots__ = ("members", "__weakref__")
+
+    def __init__(self) -> None:
+        self.members: list[Received] = []
+
+
+class _BatchViews:
+    """Tensors for the items of one ``recv_many`` batch on a device: one DLPack import
+    (``torch.from_dlpack``) per chunk and dtype, and each item an ``as_strided`` view of it,
+    instead of one DLPack import per item. Held by each Received of the batch; it refers to the
+    :class:`_Keep` and the chunk tensors only weakly, so no reference cycle delays a release."""
+
+    __slots__ = ("keep", "bases")
+
+    def __init__(self) -> None:
+        self.keep: Any = None  # weakref.ref to the live _Keep, if any
+        self.bases: Any = weakref.WeakValueDictionary()  # (chunk id, torch dtype) -> chunk tensor
+
+    def tensor(self, r: "Received", torch: Any, dtype: Any) -> Any:
+        import numpy as np
+        from cuda.core.utils import StridedMemoryView
+
+        from ..buffers import mapped_buffer
+
+        keep = self.keep() if self.keep is not None else None
+        if keep is None:  # every earlier chunk tensor is gone (they held it)
+            keep = _Keep()
+            self.keep = weakref.ref(keep)
+        keep.members.append(r)
+        chunk = r._chunk
+        base = self.bases.get((chunk.id, dtype))
+        if base is None:
+            raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, r.device, keep),
+                                                (chunk.size,), (1,), dtype=np.dtype("uint8"))
+            base = torch.from_dlpack(raw).view(dtype)
+            self.bases[(chunk.id, dtype)] = base
+        d = r.descriptor
+        size = d.itemsize
+        return torch.as_strided(base, d.shape, tuple(st // size for st in d.strides),
+                                (d.block_offset + d.byte_offset) // size)
+
+
 class Received:
     """One array from the peer, held until :meth:`release` (or collection).
 
@@ -186,6 +232,7 @@ class Received:
         self._stream = stream
         self._chunk = chunk
         self._ptr = chunk.buf.ptr + desc.block_offset + desc.byte_offset
+        self._batch: _BatchViews | None = None
         chunk.retain()
         self._fin = weakref.finalize(self, _finalize_received, weakref.ref(channel), lease_id, chunk)
 
@@ -234,13 +281,18 @@ class Received:
     def as_tensor(self) -> Any:
         """A ``torch.Tensor`` over the block (``torch.from_dlpack`` / ``torch.from_numpy``; torch imported here).
 
-        bfloat16 arrives as ``torch.bfloat16`` (read as int16 and re-viewed).
+        bfloat16 arrives as ``torch.bfloat16`` (read as int16 and re-viewed). For the items of a
+        device ``recv_many`` batch, each chunk is imported into torch once (``torch.from_dlpack``)
+        and every item's tensor is a ``torch.as_strided`` view of it: while any such tensor lives,
+        every item of the batch whose tensor was taken stays held (its safety-net release waits).
         """
         self._check()
         import numpy as np
         import torch
 
         d = self.descriptor
+        if self._batch is not None and self.device >= 0:
+            return self._batch.tensor(self, torch, getattr(torch, d.dtype))
         if d.dtype == "bfloat16":
             if self.device < 0:
                 keep = (self, self._chunk.buf._mapping.map)
@@ -329,12 +381,12 @@ def _inspect(array: Any) -> _Source:
 
     mod = type(array).__module__
     if mod.startswith("torch"):
-        dtype = str(array.dtype).replace("torch.", "")
-        es = array.element_size()
-        dev = array.device.index if array.is_cuda else -1
-        if array.is_cuda and dev is None:
-            dev = 0
-        return _Source(int(array.data_ptr()), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
+        known = _TORCH_DTYPES.get(array.dtype)
+        if known is None:
+            known = _TORCH_DTYPES[array.dtype] = (str(array.dtype).replace("torch.", ""), array.element_size())
+        dtype, es = known
+        dev = array.get_device()  # -1 for CPU tensors
+        return _Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
                        dev, array)
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
@@ -370,6 +422,8 @@ def _inspect(array: Any) -> _Source:
 
 #: NumPy dtype -> wire dtype name (``dtype.name`` builds a new string on every read).
 _NUMPY_NAMES: dict[Any, str] = {}
+#: torch dtype -> (wire dtype name, itemsize).
+_TORCH_DTYPES: dict[Any, tuple[str, int]] = {}
 
 
 def _is_host_ptr(view: Any) -> bool:
@@ -630,10 +684,13 @@ class Channel:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next(_lease_ids), [p[1] for p in placed], event)
         ev64 = base64.b64encode(event[1]).decode() if event is not None else None
-        descs = []
-        for i, (name, block, off, shape, strides, dtype) in enumerate(placed):
-            descs.append(ArrayDescriptor(block.chunk.id, block.offset, block.size, off, tuple(shape), tuple(strides),
-                                         dtype, order, ev64, name, meta if i == 0 else None).to_json())
+        # The wire form of ArrayDescriptor.to_json, built directly: a batch has thousands of items.
+        descs = [{"chunk": block.chunk.id, "block_offset": block.offset, "block_bytes": block.size,
+                  "byte_offset": off, "shape": list(shape), "strides": list(strides), "dtype": dtype,
+                  "ordering": order, "event": ev64, "name": name, "meta": None}
+                 for name, block, off, shape, strides, dtype in placed]
+        if descs:
+            descs[0]["meta"] = meta
         if batch is None:
             msg = {"kind": "array", "lease": lease.id, "desc": descs[0]}
         else:
@@ -732,6 +789,10 @@ class Channel:
         """
         kind, lease_id, descs, mapping = self._next(timeout, want_batch=True)
         out = self._make_received(lease_id, descs, _stream_handle(stream))
+        if len(out) > 1 and out[0].device >= 0:
+            views = _BatchViews()
+            for r in out:
+                r._batch = views
         if mapping:
             return {r.name: r for r in out}
         return out
