@@ -25,7 +25,7 @@ def load_weights(params: dict[str, Any], weights: Iterable[tuple[str, Any]], hos
 
 
 def main() -> None:
-    from dmabuf_interop.channel import connect
+    from dmabuf_interop.channel import connect, release_all
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", default="/tmp/weights.sock")
@@ -61,8 +61,7 @@ def main() -> None:
                     load_weights(params, weights, host=False)
                     ok = all(bool((p == version).all()) for p in params.values())
             del weights
-            for r in batch.values():
-                r.release()  # gives version back: the trainer may now write the next one
+            release_all(batch.values())  # gives version back: the trainer may now write the next one
             print(f"engine: loaded version {version}: {'ok' if ok else 'WRONG VALUES'}", flush=True)
             if not ok:
                 raise SystemExit(1)

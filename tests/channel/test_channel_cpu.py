@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dmabuf_interop.channel import SharedPool, connect, listen
+from dmabuf_interop.channel import SharedPool, connect, listen, release_all
 from dmabuf_interop.errors import (InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
                                    WaitTimeoutError)
 from dmabuf_interop.fd import open_fds
@@ -234,6 +234,13 @@ def test_lease_completes_on_release_and_block_returns(addr: str, pool: SharedPoo
     time.sleep(0.05)
     assert not lease.done
     got["b"].release()
+    lease.wait(2)
+    # release_all: a whole batch at once (host items: nothing to synchronise)
+    lease = prod.send_many([np.arange(4), np.zeros(3), np.ones(2)])
+    got = cons.recv_many(5)
+    assert [r.shape for r in got] == [(4,), (3,), (2,)]
+    release_all(got)
+    assert all(r.released for r in got)
     lease.wait(2)
     for x in (cons, prod, listener):
         x.close()

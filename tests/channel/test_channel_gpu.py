@@ -140,3 +140,53 @@ def test_consumer_on_the_other_gpu(tmp_path: Path) -> None:
 @pytest.mark.gpu(count=2)
 def test_event_orders_a_late_kernel_write_for_a_consumer_on_the_other_gpu(tmp_path: Path) -> None:
     assert _run(tmp_path, 0, 1, "ordering") == f"ok event {7.0 * (1 << 20)}"
+
+
+_BATCH_LIFETIME = """
+import gc, json, os, sys, tempfile, threading
+import torch
+from dmabuf_interop.channel import SharedPool, connect, listen
+
+addr = os.path.join(tempfile.mkdtemp(), "s")
+with SharedPool(0, chunk_bytes=2 << 20, max_bytes=8 << 20) as pool, listen(addr, pool=pool, ordering="sync") as lst:
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", connect(addr, timeout=60, device=0)))
+    t.start()
+    prod = lst.accept(60)
+    t.join()
+    cons = box["c"]
+    a = torch.from_dlpack(pool.empty((64, 32), "float32"))
+    b = torch.from_dlpack(pool.empty((100,), "int16"))
+    a.copy_(torch.arange(64 * 32, dtype=torch.float32).view(64, 32))
+    b.fill_(7)
+    torch.cuda.synchronize()
+    lease = prod.send_many({"a": a.t(), "b": b[10:]})
+    many = cons.recv_many(60)
+    ta, tb = many["a"].as_tensor(), many["b"].as_tensor()
+    out = {"a_equal": bool(torch.equal(ta.cpu(), a.t().cpu())), "a_strides": list(ta.stride()),
+           "b_shape": list(tb.shape), "b_sum": int(tb.sum())}
+    del many
+    gc.collect()
+    out["held_while_tensors_live"] = not lease.done
+    del ta, tb
+    gc.collect()
+    lease.wait(10)
+    out["released_after"] = lease.reason
+    cons.close(); prod.close()
+print(json.dumps(out))
+"""
+
+
+def test_batch_tensors_are_views_that_hold_their_items() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import env_with_src
+
+    res = subprocess.run([sys.executable, "-c", _BATCH_LIFETIME], capture_output=True, text=True, timeout=240,
+                         env=env_with_src())
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"a_equal": True, "a_strides": [1, 32], "b_shape": [90], "b_sum": 630,
+                   "held_while_tensors_live": True, "released_after": "released"}

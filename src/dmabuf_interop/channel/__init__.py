@@ -10,12 +10,12 @@ once (``SCM_RIGHTS``); each array afterwards is a JSON descriptor. A
 
 from __future__ import annotations
 
-from .channel import Channel, Lease, PeerInfo, Received, mechanism_for
+from .channel import Channel, Lease, PeerInfo, Received, mechanism_for, release_all
 from .pool import ALIGN, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
 from .rendezvous import Listener, connect, listen
 
 __all__ = [
     "ALIGN", "ArrayDescriptor", "Channel", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
-    "SharedPool", "connect", "listen", "mechanism_for", "parse_message",
+    "SharedPool", "connect", "listen", "mechanism_for", "parse_message", "release_all",
 ]

@@ -35,7 +35,7 @@ from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtyp
 from .protocol import DTYPES, MAX_META_BYTES, ArrayDescriptor, parse_message
 from .wire import send_frame, recv_frame
 
-__all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for"]
+__all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for", "release_all"]
 
 #: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
 MAX_CHUNKS = 4096
@@ -315,15 +315,17 @@ class Received:
 
         return cupy.from_dlpack(self.as_array())
 
-    def release(self) -> None:
+    def release(self, *, synchronize: bool = True) -> None:
         """Give the block back to the producer (batched on the wire; idempotent).
 
         For device memory the stream given to ``recv`` is synchronised first
-        (``cuStreamSynchronize``), so work queued on it that reads the block is done.
+        (``cuStreamSynchronize``), so work queued on it that reads the block is done;
+        ``synchronize=False`` skips that, for a caller that has synchronised already
+        (:func:`release_all` does it once for many).
         """
         if not self._fin.alive:
             return
-        if self.device >= 0 and self._stream is not None:
+        if synchronize and self.device >= 0 and self._stream is not None:
             from .. import _driver as driver
 
             driver.set_current(self.device)
@@ -339,6 +341,23 @@ class Received:
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<Received {self.dtype}{list(self.shape)} lease={self.lease_id} {state}>"
+
+
+def release_all(items: Iterable[Received]) -> None:
+    """Release many :class:`Received` (a ``recv_many`` batch: its dict's values, or its list):
+    each distinct (device, stream) is synchronised once (``cuStreamSynchronize``), not once per item.
+    """
+    items = list(items)
+    synced: set[tuple[int, int]] = set()
+    for r in items:
+        if r.device >= 0 and r._stream is not None and not r.released and (r.device, r._stream) not in synced:
+            from .. import _driver as driver
+
+            driver.set_current(r.device)
+            driver.stream_synchronize(r._stream)
+            synced.add((r.device, r._stream))
+    for r in items:
+        r.release(synchronize=False)
 
 
 def _stream_handle(stream: Any) -> int:

@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Any
 
-from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch
+from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch, settle_gc
 
 __all__ = ["WORKLOADS", "model_shapes", "payload_bytes", "add_arguments", "main"]
 
@@ -145,6 +145,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
         ch = listener.accept(timeout=cfg["timeout"])
         lease = None
         cpu0 = 0.0
+        settle_gc()
         try:
             for variant, k, timed in _steps(cfg):
                 if k == cfg["warmup"]:
@@ -170,7 +171,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
-    from ...channel import connect
+    from ...channel import connect, release_all
 
     host = cfg["host"]
     be: Any = _Numpy() if host else _Torch(cfg["devices"][1])
@@ -179,6 +180,7 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sync_ms": {v: [] for v in cfg["variants"]}, "memory": {}, "bad_checksums": 0}
     with connect(cfg["address"], timeout=cfg["timeout"], device=None if host else cfg["devices"][1]) as ch:
         cpu0 = 0.0
+        settle_gc()
         for variant, k, timed in _steps(cfg):
             if k == cfg["warmup"]:
                 out["memory"][variant] = {"free_before": be.memory(), "fds_before": _fd_count()}
@@ -192,8 +194,7 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
             if variant == "copy":
                 for name, r in batch.items():
                     be.copy(own[name], be.view(r))
-                for r in batch.values():
-                    r.release()  # synchronises the recv stream: the copies are done
+                release_all(batch.values())  # one cuStreamSynchronize: the copies are done
                 t1 = time.monotonic_ns()
                 views = None
                 held = [own[n] for n, _ in shapes]
@@ -206,8 +207,7 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
             if not be.equal_sums(held, sums):  # the "rollout": read version k
                 out["bad_checksums"] += 1
             held = sums = views = None  # drop the views, then give version k back
-            for r in [*batch.values(), sums_r]:
-                r.release()
+            release_all([*batch.values(), sums_r])
             if k == cfg["warmup"] + cfg["reps"] - 1:
                 out["memory"][variant].update(free_after=be.memory(), fds_after=_fd_count(),
                                               cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"],

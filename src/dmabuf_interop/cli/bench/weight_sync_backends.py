@@ -109,6 +109,17 @@ class _Torch:
         return int(self.torch.cuda.mem_get_info(self.device)[0])  # free bytes (cudaMemGetInfo)
 
 
+def settle_gc() -> None:
+    """Collect once, then freeze every object alive so far (``gc.freeze``), as latency-sensitive
+    Python services do before serving: a full collection walks torch's several hundred thousand
+    objects and would stall whichever step it lands in by about 0.1 s. Every process of the
+    workload (ours and the peers') calls it once its model is built."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _steps(cfg: dict[str, Any]) -> Iterator[tuple[str, int, bool]]:
     """(variant, step, timed) in the order both ends run them."""
     for variant in cfg["variants"]:

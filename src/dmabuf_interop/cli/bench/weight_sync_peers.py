@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from .weight_sync_backends import _steps, _Torch
+from .weight_sync_backends import _steps, _Torch, settle_gc
 
 #: Bucket size of the ``ipc-buckets`` peer, bytes.
 BUCKET_BYTES = 512 << 20
@@ -44,6 +44,7 @@ def _peer_trainer(cfg: dict[str, Any], conn: Any) -> dict[str, Any]:
         size = max(BUCKET_BYTES, max(2 * math.prod(s) for _, s in shapes))
         bucket = torch.empty(size, dtype=torch.uint8, device=be.device)
     cpu0 = 0.0
+    settle_gc()
     for _, k, _timed in _steps(cfg):
         if k == cfg["warmup"]:
             cpu0 = time.process_time()
@@ -81,6 +82,7 @@ def _peer_engine(cfg: dict[str, Any], conn: Any) -> dict[str, Any]:
     held = [own[n] for n, _ in shapes]
     out: dict[str, Any] = {"sync_ms": [], "bad_checksums": 0}
     cpu0 = 0.0
+    settle_gc()
     for _, k, timed in _steps(cfg):
         if k == cfg["warmup"]:
             cpu0 = time.process_time()
