@@ -73,7 +73,7 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     assert memfd["status"] == "ok" and memfd["kind"] == "ours"
     _check_cells(memfd, [4096, 65536])
     assert all(c["reps"] == 3 for c in memfd["cells"])
-    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead"}
+    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "throughput"}
     assert data["plot"] is None
 
 
@@ -97,6 +97,11 @@ def test_channel_host_bench_runs_and_writes_json(tmp_path):
         for phase in ("transport", "import_map", "first_access"):
             assert all(x >= 0 for x in cell["samples_us"][phase])
         assert cell["phases_us"]["total"]["median"] >= cell["phases_us"]["transport"]["median"]
+    # pipelined throughput over a host pool, and its line among the targets
+    tput = data["throughput"]["channel-host"]
+    assert tput["status"] == "ok" and tput["per_second"] > 0 and tput["size"] == 1 << 20, tput
+    assert data["targets"]["throughput"]["measured"] == {"channel-host": tput["per_second"]}
+    assert "channel throughput >= 20,000/s" in out.stdout
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
@@ -362,6 +367,8 @@ def test_gpu_channel_bench_runs(tmp_path):
         assert mechs[name]["status"] == "ok", mechs[name]
         _check_cells(mechs[name], [4096, 1 << 20])
     assert mechs["channel"]["devices"] == {"producer": 0, "consumer": 0}
+    tput = _load(path)["throughput"]
+    assert tput["channel"]["status"] == "ok" and tput["channel"]["per_second"] > 0, tput
 
 
 @pytest.mark.gpu(count=2)

@@ -205,6 +205,14 @@ def main(args: argparse.Namespace) -> int:
                     entry["import"] = "; ".join(imports)
                 failed = failed or res["status"] == "error"
             results["mechanisms"][name] = entry
+        results["throughput"] = {}
+        for name in ("channel", "channel-host"):
+            if name in runnable and results["mechanisms"][name].get("status") == "ok":
+                from .throughput import measure
+
+                progress.say(f"{name} throughput: 1 MiB blocks, pipelined")
+                results["throughput"][name] = measure(name == "channel-host", (producer, consumer),
+                                                      timeout=args.timeout)
         if cuda_ok and ("posix-fd" in names or "posix-fd-cached" in names):
             progress.say("bandwidth and Python overhead: starting producer and consumer")
             res = run_pair("_bandwidth", cfg, progress)

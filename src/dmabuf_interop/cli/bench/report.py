@@ -103,6 +103,35 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         po["met"] = None
         po["note"] = "not measured"
     out["python_overhead"] = po
+    # 4. the channel: hand-off median <= 0.15 x torch-ipc's at every size, p99 <= 3 x its own median
+    ch = mechs.get("channel", {})
+    cl: dict[str, Any] = {"target": "channel hand-off median <= 0.15 x torch-ipc's at every size, p99 <= 3 x "
+                                    "its own median", "per_size": []}
+    if ch.get("status") != "ok" or torch.get("status") != "ok":
+        cl["met"] = None
+        cl["note"] = f"not evaluated: channel {ch.get('status', 'not run')}, torch-ipc {torch.get('status', 'not run')}"
+    else:
+        tcells = {c["size"]: c for c in torch["cells"]}
+        met = True
+        for c in ch["cells"]:
+            t = _median(tcells[c["size"]]) if c["size"] in tcells else None
+            st = c["phases_us"].get("total")
+            if t is None or not st:
+                met = False
+                continue
+            r, spread = st["median"] / t, st["p99"] / st["median"]
+            met = met and r <= 0.15 and spread <= 3.0
+            cl["per_size"].append({"size": c["size"], "label": size_label(c["size"]), "ratio": round(r, 4),
+                                   "p99_over_median": round(spread, 3)})
+        cl["met"] = met and bool(cl["per_size"])
+    out["channel"] = cl
+    # 5. channel throughput, 1 MiB zero-copy, pipelined: >= 20,000 hand-offs/s (device pool)
+    tp = results.get("throughput", {})
+    th: dict[str, Any] = {"target": "channel, 1 MiB zero-copy, one producer and one consumer, pipelined: "
+                                    ">= 20,000 hand-offs/s", "measured": {k: v.get("per_second") for k, v in tp.items()}}
+    dev = tp.get("channel", {})
+    th["met"] = None if dev.get("status") != "ok" else dev["per_second"] >= 20000
+    out["throughput"] = th
     return out
 
 
@@ -205,6 +234,13 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     if "dmabuf_ratio" in po:
         detail += f", dma-buf export {po['dmabuf_ratio']:.2f}x"
     w(f"  Python overhead (POSIX-fd <= +10%, dma-buf export <= 1.3x): {_verdict(po['met'])}  {detail}\n")
+    cl = t["channel"]
+    detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x (p99 {x['p99_over_median']:.1f}x median)"
+                       for x in cl["per_size"]) or cl.get("note", "")
+    w(f"  channel <= 0.15 x torch-ipc, p99 <= 3 x median: {_verdict(cl['met'])}  {detail}\n")
+    th = t["throughput"]
+    detail = ", ".join(f"{k} {v:,}/s" for k, v in th["measured"].items() if v) or "not measured"
+    w(f"  channel throughput >= 20,000/s (1 MiB, pipelined): {_verdict(th['met'])}  {detail}\n")
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:

@@ -55,7 +55,8 @@ def percentile(values: list[float], q: float) -> float:
 def _stat(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"median": round(percentile(values, 50), 3), "p90": round(percentile(values, 90), 3)}
+    return {"median": round(percentile(values, 50), 3), "p90": round(percentile(values, 90), 3),
+            "p99": round(percentile(values, 99), 3)}
 
 
 def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]],
