@@ -48,6 +48,15 @@ def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
     return address, False
 
 
+def _remote(address: Any, options: dict[str, Any]) -> bool:
+    """``tcp://`` addresses go to :mod:`.remote`; its options are refused for local addresses."""
+    if isinstance(address, str) and address.startswith("tcp://"):
+        return True
+    if options:
+        raise InvalidArgumentError(f"{sorted(options)} only apply to tcp:// addresses")
+    return False
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """``getsockopt(SO_PEERCRED)``: the peer's (pid, uid, gid) as the kernel recorded them at connect.
 
@@ -217,8 +226,11 @@ class Listener:
 def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
            allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
            ordering: str = "event", device: int | None = None, backlog: int = 64,
-           hello_overrides: dict[str, Any] | None = None) -> Listener:
+           hello_overrides: dict[str, Any] | None = None, **remote: Any) -> Listener:
     """Listen for channel consumers on ``address`` (``socket(AF_UNIX, SOCK_STREAM)``, ``bind``, ``listen``).
+
+    ``"tcp://HOST:PORT"`` listens for consumers on other hosts instead (NIXL; ``token=`` /
+    ``token_file=`` / ``xfer_timeout=`` in ``remote``): see :func:`.remote.listen_remote`.
 
     Args:
         address: a filesystem path (created mode 0600 under a 0177 umask; a stale
@@ -239,6 +251,10 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    if _remote(address, remote):
+        from .remote import listen_remote
+
+        return listen_remote(address, pool=pool, device=device, backlog=backlog, **remote)  # type: ignore[return-value]
     addr, abstract = _sockaddr(address)
     path = None if abstract else os.path.abspath(addr)
     if path is not None:
@@ -297,8 +313,12 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
 
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
             device: int | None = None, ordering: str = "event", allow_uids: Iterable[int] | None = None,
-            allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None) -> Channel:
+            allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None,
+            **remote: Any) -> Channel:
     """Connect to a :func:`listen` address and complete the handshake.
+
+    ``"tcp://HOST:PORT"`` connects to a listener on another host (NIXL; ``token=`` /
+    ``token_file=`` / ``xfer_timeout=`` in ``remote``): see :func:`.remote.connect_remote`.
 
     Args:
         address: as for :func:`listen`.
@@ -319,6 +339,10 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    if _remote(address, remote):
+        from .remote import connect_remote
+
+        return connect_remote(address, timeout=timeout, pool=pool, device=device, **remote)
     addr, _ = _sockaddr(address)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
