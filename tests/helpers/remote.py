@@ -23,12 +23,13 @@ def nixl_missing() -> str | None:
 
 
 def peer_env(tls: str = "tcp", token: str = TOKEN, **extra: str) -> dict[str, str]:
-    """The environment of a peer: UCX pinned to ``tls`` on loopback, the token, ``src`` first on the path."""
+    """The environment of a peer: UCX pinned to ``tls`` on loopback, the token, ``src`` first on the path.
+
+    ``UCX_NET_DEVICES`` filters network transports only; ``cuda_copy`` and ``cuda_ipc`` are not among them.
+    """
     env = dict(os.environ)
     env.update(UCX_TLS=tls, UCX_NET_DEVICES="lo", DMABUF_INTEROP_TOKEN=token, NIXL_LOG_LEVEL="WARN",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    if "cuda" in tls:
-        env.pop("UCX_NET_DEVICES")  # cuda_copy / cuda_ipc have no network device; tcp stays on 127.0.0.1
     env.update(extra)
     return env
 
