@@ -1,15 +1,32 @@
-"""Shared test set-up: the ``gpu`` marker skips, with the reason, where no CUDA GPU is present.
+"""Shared test set-up: the ``gpu`` marker skips, with the reason, where no CUDA GPU is usable.
 
 GPU presence is asked of a subprocess (:func:`tests.helpers.gpu_count`), so the
 pytest process itself does not initialise CUDA (several CPU tests fork, and
-CUDA does not survive fork()).
+CUDA does not survive fork()). A skip says ``no GPU here`` or ``GPU here, but
+package missing`` (or the driver problem). With ``--require-gpu`` or
+``DMABUF_INTEROP_REQUIRE_GPU=1`` every such skip is a failure instead, so a GPU
+run that tested nothing is not green.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers import gpu_count
+
+_NO_GPU = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--require-gpu", action="store_true",
+                     help="fail, instead of skipping, every gpu test that cannot run here "
+                          "(also: DMABUF_INTEROP_REQUIRE_GPU=1)")
+
+
+def _require_gpu(config: pytest.Config) -> bool:
+    return bool(config.getoption("--require-gpu")) or os.environ.get("DMABUF_INTEROP_REQUIRE_GPU", "") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,7 +37,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in gpu_items:
         marker = item.get_closest_marker("gpu")
         need = marker.kwargs.get("count", 1) if marker else 1
-        if n == 0:
-            item.add_marker(pytest.mark.skip(reason=f"no GPU: {reason}"))
-        elif n < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs, this machine has {n}"))
+        why = reason if n == 0 else f"needs {need} GPUs, this machine has {n}" if n < need else None
+        if why is None:
+            continue
+        if _require_gpu(config):
+            item.stash[_NO_GPU] = why
+        else:
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    why = item.stash.get(_NO_GPU, None)
+    if why is not None:
+        pytest.fail(f"GPU required (--require-gpu / DMABUF_INTEROP_REQUIRE_GPU=1) but: {why}", pytrace=False)

@@ -23,3 +23,10 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = next(c for c in _commands() if c.endswith("python -m pytest -q"))
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_cmd in ci
+
+
+def test_ci_builds_the_docs_with_warnings_as_errors_and_checks_nvrtc():
+    ci = (ROOT / ".ci" / "run").read_text()
+    docs_cmd = "python -m sphinx -W --keep-going -b html docs docs/_build/html"
+    assert docs_cmd in ci and docs_cmd in (ROOT / "README.md").read_text()
+    assert 'load_nvidia_dynamic_lib("nvrtc")' in ci

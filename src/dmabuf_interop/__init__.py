@@ -30,6 +30,7 @@ from .errors import (
     DmaBufError,
     FdLimitError,
     FdPassError,
+    FdsInFlightError,
     ForkedAfterInitError,
     InvalidArgumentError,
     NoDriverError,
@@ -54,7 +55,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AlignmentError", "CudaError", "CudaNotSupportedError", "DmaBuf", "DmaBufError", "DmaBufInfo",
-    "ExportedBuffer", "FdLimitError", "FdPassError", "ForkedAfterInitError", "ImportedBuffer",
+    "ExportedBuffer", "FdLimitError", "FdPassError", "FdsInFlightError", "ForkedAfterInitError", "ImportedBuffer",
     "InvalidArgumentError", "MechanismName", "MemoryKind", "NoDriverError", "NotADmaBufError",
     "NotSupportedError", "OwnedFd", "PeerClosedError", "ProtocolError", "ShareDescriptor", "SyscallError",
     "Transaction", "WaitTimeoutError",

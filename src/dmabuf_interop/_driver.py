@@ -24,6 +24,7 @@ Interoperability" (https://docs.nvidia.com/cuda/cuda-driver-api/).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -69,9 +70,10 @@ def bindings() -> Any:
     if _drv is None:
         try:
             from cuda.bindings import driver as drv
-        except ImportError as exc:  # pragma: no cover - dependency is declared
-            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1, str(exc),
-                                reason="no-bindings") from exc
+        except ImportError as exc:  # a dependency, but an interpreter may lack it
+            raise NoDriverError("import cuda.bindings.driver", "ImportError", -1,
+                                f"cuda-bindings is not installed for {sys.executable} ({exc}); "
+                                f"pip install cuda-bindings", reason="no-bindings") from exc
         _drv = drv
     return _drv
 
@@ -143,16 +145,49 @@ def init() -> None:
         drv = bindings()
         try:
             err, = drv.cuInit(0)
-        except RuntimeError as exc:  # "Failed to dlopen libcuda.so.1"
-            raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1, str(exc)) from exc
+        except RuntimeError as exc:  # cuda-pathfinder's "Failed to dlopen libcuda.so.1" (kept as __cause__)
+            raise NoDriverError("cuInit", "libcuda.so.1 not loadable", -1,
+                                "no NVIDIA driver on this machine: libcuda.so.1 cannot be loaded") from exc
         name = result_name(err)
-        reason = {"CUDA_ERROR_NO_DEVICE": "no-device", "CUDA_ERROR_STUB_LIBRARY": "no-driver",
-                  "CUDA_ERROR_INSUFFICIENT_DRIVER": "old-driver"}.get(name)
-        if reason is not None:
-            raise NoDriverError("cuInit", name, int(err), reason=reason)
+        if name == "CUDA_ERROR_NO_DEVICE":
+            raise NoDriverError("cuInit", name, int(err), _no_device_text(), reason="no-device")
+        if name == "CUDA_ERROR_STUB_LIBRARY":
+            raise NoDriverError("cuInit", name, int(err), "no NVIDIA driver on this machine: only the CUDA "
+                                "toolkit's stub libcuda.so was found", reason="no-driver")
+        if name == "CUDA_ERROR_INSUFFICIENT_DRIVER":
+            raise NoDriverError("cuInit", name, int(err), _old_driver_text(None), reason="old-driver")
         if int(err) != 0:
             raise_for("cuInit", err)
+        err, version = drv.cuDriverGetVersion()
+        if int(err) == 0 and int(version) < required_driver_version():
+            raise NoDriverError("cuDriverGetVersion", str(int(version)), -1, _old_driver_text(int(version)),
+                                reason="old-driver")
         _init_pid = os.getpid()
+
+
+def required_driver_version() -> int:
+    """The oldest driver API version these cuda-bindings run on, as ``cuDriverGetVersion`` counts
+    (``1000 * major``: CUDA's minor-version compatibility lets bindings for 13.x run on any 13.x
+    driver)."""
+    return int(bindings().CUDA_VERSION) // 1000 * 1000
+
+
+def _cuda(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _old_driver_text(version: int | None) -> str:
+    have = f"supports CUDA {_cuda(version)}" if version is not None else "is too old"
+    return (f"the NVIDIA driver {have}; cuda-bindings for CUDA {_cuda(int(bindings().CUDA_VERSION))} needs a "
+            f"driver for CUDA {_cuda(required_driver_version())} or newer")
+
+
+def _no_device_text() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return "the CUDA driver is loaded but finds no GPU (CUDA_VISIBLE_DEVICES is not set)"
+    return (f"the CUDA driver is loaded but this process sees no GPU: CUDA_VISIBLE_DEVICES={visible!r} "
+            f"names none of this machine's GPUs")
 
 
 def is_initialized() -> bool:
@@ -222,6 +257,23 @@ def device_uuid(ordinal: int) -> str:
         h = bytes(call(bindings().cuDeviceGetUuid, device(ordinal)).bytes).hex()
         cache[key] = f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
     return cache[key]
+
+
+def ordinal_for_uuid(uuid: str) -> int | None:
+    """This process's ordinal of the GPU with ``uuid`` (``GPU-...``), or ``None`` when this process
+    cannot see it (``CUDA_VISIBLE_DEVICES``)."""
+    for i in range(device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+def invisible_gpu_text(what: str) -> str:
+    """Why memory on ``what`` (a GPU UUID, or a description) cannot be reached from this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"the exporter's GPU {what} is not visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={'unset' if visible is None else repr(visible)}; this process sees "
+            f"{device_count()} GPU(s)): include that GPU in CUDA_VISIBLE_DEVICES to import its memory")
 
 
 def device_pci_bus_id(ordinal: int) -> str:
@@ -330,29 +382,44 @@ def mem_address_range(ptr: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
-def pointer_device_ordinal(ptr: int) -> int:
-    """The device that holds the memory at ``ptr``.
+_POINTER_ATTRIBUTES: Any = None
 
-    For CUDA VMM mappings (``cuMemMap``), which belong to no context, the
-    allocation's own location (``cuMemRetainAllocationHandle`` +
-    ``cuMemGetAllocationPropertiesFromHandle``); otherwise
-    ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)``.
+
+def pointer_facts(ptr: int) -> dict[str, int]:
+    """One ``cuPointerGetAttributes`` call: ``memory_type`` (``CUmemorytype`` value; 0 when CUDA
+    does not know ``ptr``), ``managed``, ``ordinal`` (``DEVICE_ORDINAL``, the context's device),
+    ``context`` (0 for CUDA VMM mappings, which belong to no context), ``range_start`` and
+    ``range_size`` (the allocation or ``cuMemCreate`` chunk holding ``ptr``), ``mapped`` and
+    ``mempool`` (non-zero for stream-ordered pool memory), all as ints.
+
+    Raises:
+        CudaError: ``CUDA_ERROR_INVALID_VALUE`` for a pointer outside unified addressing.
     """
+    global _POINTER_ATTRIBUTES
     drv = bindings()
-    err, handle = drv.cuMemRetainAllocationHandle(ptr)
-    if int(err) == 0:
-        try:
-            return vmm_allocation_device(handle)
-        finally:
-            vmm_release(handle)
-    return int(call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+    if _POINTER_ATTRIBUTES is None:
+        a = drv.CUpointer_attribute
+        _POINTER_ATTRIBUTES = [a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, a.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                               a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, a.CU_POINTER_ATTRIBUTE_CONTEXT,
+                               a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                               a.CU_POINTER_ATTRIBUTE_MAPPED, a.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE]
+    values = call(drv.cuPointerGetAttributes, len(_POINTER_ATTRIBUTES), _POINTER_ATTRIBUTES, ptr)
+    keys = ("memory_type", "managed", "ordinal", "context", "range_start", "range_size", "mapped", "mempool")
+    return {k: _as_int(v) for k, v in zip(keys, values)}
 
 
-def pointer_is_host(ptr: int) -> bool:
-    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`` is ``CU_MEMORYTYPE_HOST``."""
-    drv = bindings()
-    kind = call(drv.cuPointerGetAttribute, drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
-    return int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+def _as_int(value: Any) -> int:
+    if value is None:
+        return 0
+    try:
+        return int(value)  # ints, bools, enums, CUdeviceptr
+    except TypeError:
+        return int(value.getPtr())  # handle types such as CUcontext and CUmemoryPool
+
+
+def memory_type_host() -> int:
+    """``CU_MEMORYTYPE_HOST`` as an int."""
+    return int(bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
 def memset_d8(ptr: int, value: int, nbytes: int) -> None:

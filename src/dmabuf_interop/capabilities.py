@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from . import _driver as driver
 from .errors import CudaError, DmaBufError, NoDriverError
 
-__all__ = ["ATTRIBUTES", "DeviceFacts", "driver_status", "device_count", "device_facts", "device_attributes",
+__all__ = ["ATTRIBUTES", "DeviceFacts", "driver_status", "driver_problem", "device_count", "device_facts", "device_attributes",
            "attribute", "can_access_peer", "driver_version", "bindings_version", "find_cross_gpu_pair"]
 
 #: The capability attributes reported per device (``CU_DEVICE_ATTRIBUTE_`` prefix dropped).
@@ -32,15 +32,27 @@ ATTRIBUTES = (
 
 
 def driver_status() -> tuple[bool, str]:
-    """``(True, "")`` when ``cuInit`` works and a device exists, else ``(False, reason)``."""
+    """``(True, "")`` when ``cuInit`` works and a device exists, else ``(False, reason)``;
+    :func:`driver_problem` gives the reason's code too."""
+    problem = driver_problem()
+    return (True, "") if problem is None else (False, problem[1])
+
+
+def driver_problem() -> tuple[str, str] | None:
+    """``None`` when CUDA is usable, else ``(code, text)``; ``code`` is one of ``"no-driver"`` (no
+    NVIDIA driver), ``"no-bindings"`` (cuda-bindings missing), ``"no-device"`` (a driver but no
+    visible GPU; the text names ``CUDA_VISIBLE_DEVICES``), ``"old-driver"`` (``cuDriverGetVersion``
+    below what cuda-bindings needs) or ``"error"`` (another failure, named)."""
     try:
         driver.init()
         n = driver.device_count()
+    except NoDriverError as exc:
+        return exc.reason, exc.detail or str(exc)
     except DmaBufError as exc:
-        return False, f"no CUDA driver: {exc}"
+        return "error", str(exc)
     if n == 0:
-        return False, "no CUDA device"
-    return True, ""
+        return "no-device", "the CUDA driver is loaded but finds no GPU"
+    return None
 
 
 def device_count() -> int:

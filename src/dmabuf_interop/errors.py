@@ -15,6 +15,7 @@ Callers branch on meaning, not on strings::
     ├── SyscallError                   a system call failed (names the call and the errno)
     ├── FdPassError                    SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError            the peer closed its end (EOF)
+    │   ├── FdsInFlightError           sendmsg -> ETOOMANYREFS: too many fds queued unread at the peer
     │   ├── ProtocolError              a malformed message: no fd, too many fds, bad framing, bad field
     │   │   └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
     │   └── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
@@ -47,6 +48,7 @@ __all__ = [
     "PeerClosedError",
     "ProtocolError",
     "FdLimitError",
+    "FdsInFlightError",
     "WaitTimeoutError",
     "PeerRefusedError",
     "PoolExhaustedError",
@@ -177,6 +179,12 @@ class FdPassError(DmaBufError):
 
 class PeerClosedError(FdPassError, ConnectionError):
     """The peer closed its end of the socket (EOF) before the expected message."""
+
+
+class FdsInFlightError(FdPassError):
+    """``sendmsg`` failed with ``ETOOMANYREFS``: the sending user has more fds in flight (sent over
+    AF_UNIX sockets, not yet received) than its ``RLIMIT_NOFILE``; the peer is not reading.
+    The caller still owns the fd it tried to send."""
 
 
 class ProtocolError(FdPassError):

@@ -9,14 +9,17 @@ or to a driver that takes ownership) and stops the owner from closing it.
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
+import stat
 import weakref
 from typing import TypeVar
 
 from ._checks import fd_number
 from .errors import InvalidArgumentError
 
-__all__ = ["OwnedFd", "fd_is_open", "open_fds", "is_memfd"]
+__all__ = ["OwnedFd", "fd_is_open", "open_fds", "is_memfd", "fd_kind", "fs_magic"]
 
 T = TypeVar("T", bound="OwnedFd")
 
@@ -30,8 +33,6 @@ def _close(fd: int) -> None:
 
 def fd_is_open(fd: int) -> bool:
     """True when ``fd`` is an open descriptor of this process (``fcntl(F_GETFD)``)."""
-    import fcntl
-
     if not isinstance(fd, int) or fd < 0:
         return False
     try:
@@ -41,12 +42,63 @@ def fd_is_open(fd: int) -> bool:
     return True
 
 
-def is_memfd(fd: int) -> bool:
-    """True when ``fd`` is an open memfd (its ``/proc/self/fd`` link reads ``/memfd:...``). Never raises."""
+# Filesystem magic numbers (include/uapi/linux/magic.h), as fstatfs(2) reports them in f_type.
+DMA_BUF_MAGIC = 0x444D4142
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fs_magic(fd: int) -> int | None:
+    """``fstatfs(fd).f_type``, the magic number of the filesystem ``fd`` lives on; ``None`` when
+    ``fstatfs`` fails. Needs no ``/proc``."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF  # __fsword_t f_type comes first
+
+
+def fd_kind(fd: int) -> str:
+    """What ``fd`` is, from ``fstat``, ``fstatfs`` and ``F_GET_SEALS`` alone (no ``/proc``):
+    ``"closed"``, ``"dma-buf"``, ``"memfd"``, ``"socket"``, ``"pipe"``, ``"file"``,
+    ``"directory"``, ``"character device"``, ``"block device"`` or ``"other"``. Never raises.
+
+    A memfd is a regular file on tmpfs or hugetlbfs that answers ``F_GET_SEALS``
+    (a file under ``/dev/shm`` is one too, and maps the same way).
+    """
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        return "closed"
     try:
-        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    except (OSError, TypeError):
-        return False
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return "closed"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISFIFO(mode):
+        return "pipe"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    magic = fs_magic(fd)
+    if magic == DMA_BUF_MAGIC:
+        return "dma-buf"
+    if stat.S_ISREG(mode):
+        if magic in (TMPFS_MAGIC, HUGETLBFS_MAGIC):
+            try:
+                fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                return "memfd"
+            except OSError:
+                pass
+        return "file"
+    return "other"
+
+
+def is_memfd(fd: int) -> bool:
+    """True when ``fd`` is an open memfd (see :func:`fd_kind`). Never raises."""
+    return fd_kind(fd) == "memfd"
 
 
 def open_fds() -> list[int]:

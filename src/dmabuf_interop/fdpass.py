@@ -9,11 +9,19 @@ of UTF-8 JSON holding one object. At most one fd rides on the first byte.
 Nothing is ever unpickled from a peer. :func:`send_token` /
 :func:`recv_token` move single bytes ("go", "ack"), as the CUDA sample does.
 
-Every receive takes a ``timeout`` (seconds, ``None`` waits forever) and
-raises :class:`~.errors.WaitTimeoutError` past it, :class:`~.errors.PeerClosedError`
-on EOF and :class:`~.errors.ProtocolError` for a malformed message. Received
-fds are close-on-exec (``MSG_CMSG_CLOEXEC``); when a message is rejected every
-fd that did arrive is closed first, so nothing leaks.
+Every send and receive takes a ``timeout`` in seconds, :data:`DEFAULT_TIMEOUT`
+(60 s) unless given; ``None`` waits forever. Past it
+:class:`~.errors.WaitTimeoutError` is raised; EOF is
+:class:`~.errors.PeerClosedError` and a malformed message
+:class:`~.errors.ProtocolError`. Received fds are close-on-exec
+(``MSG_CMSG_CLOEXEC``). The control buffer has room for every control message
+the kernel may add beside ``SCM_RIGHTS`` (``SCM_CREDENTIALS`` under
+``SO_PASSCRED``, ``SCM_SECURITY`` under ``SO_PASSSEC``, ``SCM_PIDFD`` under
+``SO_PASSPIDFD``; unix(7), socket(7)); every fd the kernel installed that is not
+handed to the caller is closed, so nothing leaks. A message rejected after its
+whole frame was read leaves the connection in step; one rejected in the middle
+of its frame (a bad length, a timeout, EOF) marks the connection broken, and
+every later call on that socket raises at once with the first reason.
 """
 
 from __future__ import annotations
@@ -27,13 +35,25 @@ import select
 import socket
 import struct
 import time
+import weakref
 from typing import Any
 
 from ._time import deadline_after as _deadline
-from .errors import FdLimitError, InvalidArgumentError, PeerClosedError, ProtocolError, WaitTimeoutError
+from .fd import fd_is_open
+from .errors import (
+    DmaBufError,
+    FdLimitError,
+    FdsInFlightError,
+    InvalidArgumentError,
+    PeerClosedError,
+    ProtocolError,
+    SyscallError,
+    WaitTimeoutError,
+)
 
 __all__ = [
     "MAX_MESSAGE",
+    "DEFAULT_TIMEOUT",
     "send_fd",
     "recv_fd",
     "send_message",
@@ -48,8 +68,31 @@ __all__ = [
 #: Largest JSON body accepted, in bytes.
 MAX_MESSAGE = 64 * 1024
 _HEADER = struct.Struct(">I")
-# Room for a few fds, so that "more than one fd" is seen and closed rather than truncated.
-_MAX_FDS = 8
+# Room for SCM_MAX_FD (253, the most one sendmsg carries), so that every fd sent is seen and
+# closed rather than truncated.
+_MAX_FDS = 253
+#: Seconds a send or receive waits by default (``timeout=None`` waits forever).
+DEFAULT_TIMEOUT = 60.0
+# include/uapi/asm-generic/socket.h (Linux 6.5+); Python's socket module names them from 3.13 only.
+SO_PASSPIDFD = getattr(socket, "SO_PASSPIDFD", 76)
+SCM_PIDFD = getattr(socket, "SCM_PIDFD", 4)
+# Room for what the kernel adds on its own beside SCM_RIGHTS: SCM_CREDENTIALS (struct ucred,
+# 12 bytes), SCM_PIDFD (one int) and SCM_SECURITY (an LSM label, at most a page).
+_EXTRA_CMSG = socket.CMSG_SPACE(12) + socket.CMSG_SPACE(4) + socket.CMSG_SPACE(4096)
+_CMSG_BUFSIZE = socket.CMSG_SPACE(_MAX_FDS * 4) + _EXTRA_CMSG
+
+# Stream sockets left mid-frame by a rejected message, with the first reason; weak keys, so a
+# closed and collected socket is forgotten.
+_broken_recv: "weakref.WeakKeyDictionary[socket.socket, str]" = weakref.WeakKeyDictionary()
+_broken_send: "weakref.WeakKeyDictionary[socket.socket, str]" = weakref.WeakKeyDictionary()
+
+
+def _check_in_step(sock: socket.socket, table: "weakref.WeakKeyDictionary[socket.socket, str]",
+                   direction: str) -> None:
+    reason = table.get(sock)
+    if reason is not None:
+        raise ProtocolError(f"this connection cannot {direction} any more: an earlier message was cut off in "
+                            f"the middle of its frame ({reason}); open a new connection")
 
 
 def _check_unix(sock: socket.socket) -> None:
@@ -66,16 +109,17 @@ def _check_unix(sock: socket.socket) -> None:
 _MAX_POLL_MS = 2**31 - 1
 
 
-def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
+def _wait(sock: socket.socket, events: int, deadline: float | None, timed_out: str) -> None:
+    """``poll(2)`` ``sock`` for ``events`` until ``deadline``; past it raise WaitTimeoutError(``timed_out``)."""
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    poller.register(sock, events)
     while True:
         if deadline is None:
             timeout_ms = -1
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeoutError(f"timed out waiting for {what}")
+                raise WaitTimeoutError(timed_out)
             # Compare as floats first: int() of an infinite or huge timeout overflows poll().
             timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))
         if poller.poll(timeout_ms):  # PEP 475: EINTR is retried for us
@@ -83,8 +127,12 @@ def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> No
         # Empty: a slice of a long wait ended, or rounding woke us early; the deadline decides.
 
 
-def encode_message(obj: dict[str, Any]) -> bytes:
-    """Frame a JSON object: 4-byte big-endian length, then UTF-8 JSON.
+def _wait_readable(sock: socket.socket, deadline: float | None, what: str) -> None:
+    _wait(sock, select.POLLIN | select.POLLHUP | select.POLLERR, deadline, f"timed out waiting for {what}")
+
+
+def encode_message(obj: dict[str, Any], max_bytes: int = MAX_MESSAGE) -> bytes:
+    """Frame a JSON object: 4-byte big-endian length, then UTF-8 JSON of at most ``max_bytes``.
 
     Raises:
         InvalidArgumentError: not a dict, not JSON-serialisable, or too large.
@@ -95,12 +143,12 @@ def encode_message(obj: dict[str, Any]) -> bytes:
         body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"message is not JSON-serialisable: {exc}") from exc
-    if len(body) > MAX_MESSAGE:
-        raise InvalidArgumentError(f"message body is {len(body)} bytes, more than {MAX_MESSAGE}")
+    if len(body) > max_bytes:
+        raise InvalidArgumentError(f"message body is {len(body)} bytes, more than {max_bytes}")
     return _HEADER.pack(len(body)) + body
 
 
-def decode_message(frame: bytes) -> dict[str, Any]:
+def decode_message(frame: bytes, max_bytes: int = MAX_MESSAGE) -> dict[str, Any]:
     """Inverse of :func:`encode_message` for one complete frame.
 
     Raises:
@@ -109,8 +157,8 @@ def decode_message(frame: bytes) -> dict[str, Any]:
     if len(frame) < _HEADER.size:
         raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its {_HEADER.size}-byte header")
     (n,) = _HEADER.unpack_from(frame)
-    if n > MAX_MESSAGE:
-        raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+    if n > max_bytes:
+        raise ProtocolError(f"frame announces {n} bytes, more than {max_bytes}")
     if len(frame) != _HEADER.size + n:
         raise ProtocolError(f"frame announces {n} bytes but carries {len(frame) - _HEADER.size}")
     try:
@@ -123,43 +171,13 @@ def decode_message(frame: bytes) -> dict[str, Any]:
 
 
 def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    while True:
-        if deadline is None:
-            timeout_ms = -1
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WaitTimeoutError("timed out sending a message: the peer is not reading (socket buffer full)")
-            timeout_ms = _MAX_POLL_MS if left * 1000 >= _MAX_POLL_MS else max(1, int(left * 1000))
-        if poller.poll(timeout_ms):
-            return
+    _wait(sock, select.POLLOUT, deadline, "timed out sending a message: the peer is not reading (socket buffer full)")
 
 
-def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None, *,
-                 timeout: float | None = None) -> None:
-    """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
-
-    The sender keeps its own fd: the kernel installs a new descriptor for the
-    same open file in the receiver (the caller may close its copy afterwards).
-    Sends are non-blocking (``MSG_DONTWAIT``) between ``poll(POLLOUT)`` waits,
-    so a peer that stops reading cannot hold the sender past ``timeout``.
-
-    Args:
-        timeout: seconds the whole message may take to leave; ``None`` waits forever.
-
-    Raises:
-        InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
-        PeerClosedError: the peer has closed its end (EPIPE / ECONNRESET).
-        WaitTimeoutError: the socket stayed full past ``timeout``; the fd was not sent
-            if no byte of the message was.
-    """
-    _check_unix(sock)
-    data = encode_message(obj)
-    deadline = _deadline(timeout)
-    if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
-        raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float | None) -> None:
+    """Send ``data`` (``fd`` on its first byte) between ``poll(POLLOUT)`` waits; a message cut off
+    after its first byte marks a stream connection broken for sending."""
+    _check_in_step(sock, _broken_send, "send")
     view = memoryview(data)
     pending_fd = fd
     try:
@@ -176,12 +194,54 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
             except BlockingIOError:
                 continue
             view = view[sent:]
-    except (BrokenPipeError, ConnectionResetError) as exc:
-        raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
-    except OSError as exc:
-        if fd is not None and exc.errno == errno.EBADF:
-            raise InvalidArgumentError(f"fd {fd} is not open: {exc}") from exc
+    except BaseException as exc:
+        if len(view) < len(data) and sock.type == socket.SOCK_STREAM:
+            _broken_send[sock] = f"{len(data) - len(view)} of {len(data)} bytes sent, then {exc}"
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
+        if isinstance(exc, OSError) and not isinstance(exc, DmaBufError):
+            if fd is not None and exc.errno == errno.EBADF:
+                raise InvalidArgumentError(f"fd {fd} is not open: {exc}") from exc
+            if exc.errno == errno.ETOOMANYREFS:
+                soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                raise FdsInFlightError(
+                    f"sendmsg -> ETOOMANYREFS: the kernel refused to queue another fd: this user already has "
+                    f"more fds in flight (sent over AF_UNIX sockets, not yet received by the peer) than the "
+                    f"sender's RLIMIT_NOFILE soft limit of {soft}; the peer is not reading its messages. "
+                    f"The caller still owns fd {fd}") from exc
+            raise SyscallError("sendmsg", exc) from exc
         raise
+
+
+def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None, *,
+                 timeout: float | None = DEFAULT_TIMEOUT, max_bytes: int = MAX_MESSAGE) -> None:
+    """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
+
+    The sender keeps its own fd: the kernel installs a new descriptor for the
+    same open file in the receiver (the caller may close its copy afterwards).
+    Sends are non-blocking (``MSG_DONTWAIT``) between ``poll(POLLOUT)`` waits,
+    so a peer that stops reading cannot hold the sender past ``timeout``.
+
+    Args:
+        timeout: seconds the whole message may take to leave (default
+            :data:`DEFAULT_TIMEOUT`, 60 s); ``None`` waits forever.
+        max_bytes: the largest JSON body allowed (default :data:`MAX_MESSAGE`, 64 KiB).
+
+    Raises:
+        InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
+        PeerClosedError: the peer has closed its end (EPIPE / ECONNRESET).
+        WaitTimeoutError: the socket stayed full past ``timeout``; the fd was not sent
+            if no byte of the message was.
+        FdsInFlightError: ``sendmsg`` -> ``ETOOMANYREFS``: more fds are queued unread
+            than the sender's ``RLIMIT_NOFILE``.
+        ProtocolError: an earlier message on this connection was cut off mid-frame.
+        SyscallError: any other ``sendmsg`` failure.
+    """
+    _check_unix(sock)
+    data = encode_message(obj, max_bytes)
+    if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
+        raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+    _send_all(sock, data, fd, _deadline(timeout))
 
 
 def close_fds(fds: list[int]) -> None:
@@ -193,40 +253,61 @@ def close_fds(fds: list[int]) -> None:
             pass
 
 
-def _recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
-    """``recvmsg`` with ``MSG_CMSG_CLOEXEC``: (data, fds, msg_flags).
+def _recvmsg(sock: socket.socket, bufsize: int, fds: list[int]) -> tuple[bytes, int]:
+    """``recvmsg`` with ``MSG_CMSG_CLOEXEC``: ``(data, msg_flags)``; ``SCM_RIGHTS`` fds are appended
+    to ``fds``, and every other fd the kernel installed (``SCM_PIDFD``) is closed at once.
 
     Not :func:`socket.recv_fds`: CPython's drops its ``flags`` argument
     (python/cpython#107898), so the fds would arrive inheritable.
     """
-    fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
-                                           socket.MSG_CMSG_CLOEXEC)
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(bufsize, _CMSG_BUFSIZE, socket.MSG_CMSG_CLOEXEC)
+    except ConnectionResetError as exc:
+        raise PeerClosedError(f"peer reset the connection: {exc}") from exc
+    except OSError as exc:
+        raise SyscallError("recvmsg", exc) from exc
     for level, kind, cdata in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(cdata[:len(cdata) - len(cdata) % fds.itemsize])
-    return data, list(fds), flags
+        if level != socket.SOL_SOCKET or kind not in (socket.SCM_RIGHTS, SCM_PIDFD):
+            continue  # SCM_CREDENTIALS, SCM_SECURITY: data only, nothing to close
+        got = array.array("i")
+        got.frombytes(cdata[:len(cdata) - len(cdata) % got.itemsize])
+        if kind == socket.SCM_RIGHTS:
+            fds.extend(got)
+        else:
+            close_fds(list(got))
+    return data, flags
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        _wait_readable(sock, deadline, "the rest of a message")
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise PeerClosedError(f"peer closed the socket in the middle of a message ({len(buf)} of {n} bytes)")
-        buf += chunk
-    return bytes(buf)
+def _fd_limit_error(narrived: int) -> FdLimitError | None:
+    """The :class:`FdLimitError` when this process is at its ``RLIMIT_NOFILE``, after the ``narrived``
+    fds of a truncated message were closed; ``None`` when it is not (the sender sent too many)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        nopen = len(os.listdir("/proc/self/fd")) - 1
+    except OSError:  # no /proc, or not one fd free: ask each number instead
+        nopen = sum(1 for fd in range(min(soft, 1 << 20)) if fd_is_open(fd))
+    nopen += narrived  # as at the truncation
+    if nopen + 1 < soft:
+        return None
+    return FdLimitError(f"fds were dropped by the kernel (MSG_CTRUNC): this process has {nopen} fds open "
+                        f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
 
 
-def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: int = 1
-                 ) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1,
+                 max_bytes: int = MAX_MESSAGE) -> tuple[dict[str, Any], list[int]]:
     """Receive one framed message and the fds that rode on it.
+
+    The whole frame is read before the message is judged, so a rejected message
+    (too many fds, a truncated control message, bad JSON) never leaves its
+    rest to be read as the next one.
 
     Args:
         sock: a connected AF_UNIX socket.
-        timeout: seconds to wait for the whole message; ``None`` waits forever.
+        timeout: seconds to wait for the whole message (default :data:`DEFAULT_TIMEOUT`,
+            60 s); ``None`` waits forever.
         max_fds: how many fds the message may carry (more is a ProtocolError).
+        max_bytes: the largest JSON body accepted (default :data:`MAX_MESSAGE`, 64 KiB);
+            a larger announced length is a ProtocolError before any of it is read.
 
     Returns:
         ``(message, fds)``; the caller owns every fd in ``fds`` (close-on-exec).
@@ -236,72 +317,87 @@ def recv_message(sock: socket.socket, timeout: float | None = None, *, max_fds: 
         WaitTimeoutError: nothing (or not all of it) within ``timeout``.
         FdLimitError: the kernel dropped fds at the receiver's ``RLIMIT_NOFILE``.
         ProtocolError: a truncated control message (``MSG_CTRUNC``), more fds
-            than ``max_fds``, or bad framing. Every fd that arrived is closed.
+            than ``max_fds``, bad framing, or a connection already broken mid-frame.
+            Every fd that arrived is closed.
+        SyscallError: ``recvmsg`` failed otherwise.
     """
     _check_unix(sock)
-    deadline = _deadline(timeout)
+    return _recv_framed(sock, _deadline(timeout), max_fds, max_bytes)
+
+
+def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int,
+                 max_bytes: int) -> tuple[dict[str, Any], list[int]]:
+    """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``)."""
+    _check_in_step(sock, _broken_recv, "receive")
     _wait_readable(sock, deadline, "a message")
+    stream = sock.type == socket.SOCK_STREAM
+    fds: list[int] = []
+    started = False
     try:
         # On a stream socket read only the header first, so that the next message
         # (and any fd riding on it) is never swallowed together with this one.
-        first = _HEADER.size if sock.type == socket.SOCK_STREAM else _HEADER.size + MAX_MESSAGE
-        data, fds, flags = _recv_fds(sock, first, _MAX_FDS)
-    except ConnectionResetError as exc:
-        raise PeerClosedError(f"peer reset the connection: {exc}") from exc
-    fds = list(fds)
-    try:
-        if flags & socket.MSG_CTRUNC:
-            soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            # Close what arrived first: at the limit, listing /proc/self/fd needs a free fd.
-            narrived = len(fds)
-            close_fds(fds)
-            fds.clear()
-            try:
-                nopen = len(os.listdir("/proc/self/fd")) - 1 + narrived  # as at the truncation
-            except OSError as exc:
-                if exc.errno != errno.EMFILE:
-                    raise
-                nopen = soft  # not one fd free: every fd below the limit is open
-            if nopen + 1 >= soft:
-                raise FdLimitError(
-                    f"fds were dropped by the kernel (MSG_CTRUNC): this process has {nopen} fds open "
-                    f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
-            raise ProtocolError(
-                f"control message truncated (MSG_CTRUNC): more than {_MAX_FDS} fds were sent; "
-                f"{narrived} arrived and were closed")
+        data, flags = _recvmsg(sock, _HEADER.size if stream else _HEADER.size + max_bytes, fds)
         if not data:
             if fds:
                 raise ProtocolError("fds arrived with no message bytes")
             raise PeerClosedError("peer closed the socket before sending a message")
-        if len(fds) > max_fds:
-            raise ProtocolError(f"message carried {len(fds)} fds, at most {max_fds} expected; all were closed")
-        if len(data) < _HEADER.size:
-            data += _recv_exact(sock, _HEADER.size - len(data), deadline, fds)
+        started = stream
+        first_fds = len(fds)
+        while len(data) < _HEADER.size:
+            more, more_flags = _recv_more(sock, _HEADER.size - len(data), deadline, fds)
+            data, flags = data + more, flags | more_flags
         (n,) = _HEADER.unpack_from(data)
-        if n > MAX_MESSAGE:
-            raise ProtocolError(f"frame announces {n} bytes, more than {MAX_MESSAGE}")
+        if n > max_bytes:
+            raise ProtocolError(f"frame announces {n} bytes, more than {max_bytes}")
         want = _HEADER.size + n
-        if len(data) < want:
-            data += _recv_exact(sock, want - len(data), deadline, fds)
+        while len(data) < want:
+            more, more_flags = _recv_more(sock, want - len(data), deadline, fds)
+            data, flags = data + more, flags | more_flags
+        started = False  # the whole frame is in: the connection is in step whatever follows
         if len(data) > want:
             raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
-        return decode_message(data), fds
-    except BaseException:
+        if flags & socket.MSG_CTRUNC:
+            narrived = len(fds)
+            close_fds(fds)  # first: at the limit, counting open fds needs a free one
+            fds.clear()
+            limit = _fd_limit_error(narrived)
+            if limit is not None:
+                raise limit
+            raise ProtocolError(f"control message truncated (MSG_CTRUNC): the kernel had more control data "
+                                f"than fits in {_CMSG_BUFSIZE} bytes; {narrived} fd(s) arrived and were closed")
+        if len(fds) > first_fds:
+            raise ProtocolError("fds arrived after the first byte of a message; all were closed")
+        if len(fds) > max_fds:
+            raise ProtocolError(f"message carried {len(fds)} fds, at most {max_fds} expected; all were closed")
+        return decode_message(data, max_bytes), fds
+    except BaseException as exc:
         close_fds(fds)
+        if started:
+            _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
         raise
 
 
-def send_fd(sock: socket.socket, fd: int, meta: dict[str, Any] | None = None) -> None:
+def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> tuple[bytes, int]:
+    """Up to ``n`` more bytes of a message already begun (fds that ride on them go to ``fds``)."""
+    _wait_readable(sock, deadline, "the rest of a message")
+    chunk, flags = _recvmsg(sock, n, fds)
+    if not chunk:
+        raise PeerClosedError("peer closed the socket in the middle of a message")
+    return chunk, flags
+
+
+def send_fd(sock: socket.socket, fd: int, meta: dict[str, Any] | None = None, *,
+            timeout: float | None = DEFAULT_TIMEOUT) -> None:
     """Send ``fd`` (and an optional JSON object ``meta``) over ``sock``.
 
-    The caller keeps ownership of its ``fd``; see :func:`send_message`.
+    The caller keeps ownership of its ``fd``; see :func:`send_message` (same errors).
     """
     if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
         raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
-    send_message(sock, meta or {}, fd)
+    send_message(sock, meta or {}, fd, timeout=timeout)
 
 
-def recv_fd(sock: socket.socket, timeout: float | None = None) -> int:
+def recv_fd(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT) -> int:
     """Receive exactly one fd sent with :func:`send_fd`; the caller owns it.
 
     Raises:
@@ -314,22 +410,26 @@ def recv_fd(sock: socket.socket, timeout: float | None = None) -> int:
     return fds[0]
 
 
-def send_token(sock: socket.socket, token: bytes) -> None:
+def send_token(sock: socket.socket, token: bytes, timeout: float | None = DEFAULT_TIMEOUT) -> None:
     """Send one byte (the sample's "go" and "ack").
 
     Raises:
         PeerClosedError: the peer has gone.
+        WaitTimeoutError: the socket stayed full past ``timeout`` (default 60 s).
     """
     if len(token) != 1:
         raise InvalidArgumentError("a token is exactly one byte")
-    try:
-        sock.sendall(token)
-    except (BrokenPipeError, ConnectionResetError) as exc:
-        raise PeerClosedError(f"peer closed the socket: {exc}") from exc
+    _send_all(sock, bytes(token), None, _deadline(timeout))
 
 
-def recv_token(sock: socket.socket, timeout: float | None = None) -> bytes:
-    """Receive one byte. EOF raises :class:`PeerClosedError` (the "skip" signal)."""
+def recv_token(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT) -> bytes:
+    """Receive one byte, waiting at most ``timeout`` seconds (default 60 s; ``None`` forever).
+
+    Raises:
+        PeerClosedError: EOF (the "skip" signal).
+        WaitTimeoutError: no byte within ``timeout``.
+    """
+    _check_in_step(sock, _broken_recv, "receive")
     deadline = _deadline(timeout)
     _wait_readable(sock, deadline, "a one-byte token")
     try:

@@ -19,9 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from . import _driver as driver
-from .errors import InvalidArgumentError
+from .errors import CudaNotSupportedError, InvalidArgumentError
 
-__all__ = ["SOURCE", "PATTERN_BASE", "cache_dir", "compile_source", "write_pattern", "count_mismatches"]
+__all__ = ["SOURCE", "PATTERN_BASE", "NVRTC_PACKAGE", "cache_dir", "compile_source", "require_nvrtc",
+           "write_pattern", "count_mismatches"]
+
+#: The pip requirement that provides NVRTC for CUDA 13 (a dependency of this package).
+NVRTC_PACKAGE = "cuda-toolkit[nvrtc]==13.*"
 
 #: The sample's pattern: element ``i`` holds ``0x1000 + i``.
 PATTERN_BASE = 0x1000
@@ -56,6 +60,24 @@ def cache_dir() -> Path:
     return Path(base) / "dmabuf-interop" / "nvrtc"
 
 
+def require_nvrtc() -> None:
+    """Load NVRTC (``libnvrtc.so``) the way cuda.core will, through ``cuda.pathfinder``.
+
+    Raises:
+        CudaNotSupportedError: NVRTC cannot be loaded; the one-line message names
+            :data:`NVRTC_PACKAGE`, the pip requirement that provides it.
+    """
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        load_nvidia_dynamic_lib("nvrtc")
+    except (ImportError, RuntimeError, OSError) as exc:  # pathfinder's errors are RuntimeErrors
+        raise CudaNotSupportedError(
+            'load_nvidia_dynamic_lib("nvrtc")', "NVRTC not loadable",
+            detail=f"it compiles the pattern kernels; pip install '{NVRTC_PACKAGE}' ({type(exc).__name__})",
+        ) from exc
+
+
 def compile_source(source: str, name: str, device: int) -> Any:
     """Compile CUDA C++ ``source`` with NVRTC to a cubin for ``device``'s architecture.
 
@@ -67,11 +89,14 @@ def compile_source(source: str, name: str, device: int) -> Any:
         the ``cuda.core.ObjectCode``; ``.get_kernel(name)`` gives a launchable kernel.
 
     Raises:
-        NoDriverError: no CUDA driver. CudaError: NVRTC or the module load failed.
+        NoDriverError: no CUDA driver.
+        CudaNotSupportedError: NVRTC cannot be loaded (the message names the package).
+        CudaError: NVRTC or the module load failed.
     """
     from cuda.core import Program, ProgramOptions
 
     dev = driver.set_current(device)
+    require_nvrtc()
     program = Program(source, code_type="c++", options=ProgramOptions(arch=f"sm_{dev.arch}", name=name))
     try:
         from cuda.core.utils import FileStreamProgramCache
@@ -124,8 +149,9 @@ def write_pattern(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN_BA
 
     Raises:
         InvalidArgumentError: ``nbytes`` is not a positive multiple of 4.
-        CudaError: compiling (NVRTC), loading or launching failed.
         NoDriverError: no CUDA driver.
+        CudaNotSupportedError: NVRTC cannot be loaded (the message names the package).
+        CudaError: compiling (NVRTC), loading or launching failed.
     """
     import numpy as np
 
@@ -155,8 +181,9 @@ def count_mismatches(ptr: int, nbytes: int, device: int = 0, base: int = PATTERN
 
     Raises:
         InvalidArgumentError: ``nbytes`` is not a positive multiple of 4.
-        CudaError: compiling, launching or the copy failed.
         NoDriverError: no CUDA driver.
+        CudaNotSupportedError: NVRTC cannot be loaded (the message names the package).
+        CudaError: compiling, launching or the copy failed.
     """
     import numpy as np
 

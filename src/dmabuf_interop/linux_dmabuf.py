@@ -4,10 +4,11 @@ A dma-buf is the kernel's shareable buffer object, represented as a file
 descriptor (https://docs.kernel.org/driver-api/dma-buf.html). This module
 works on the fd alone, with no CUDA call:
 
-* :func:`is_dmabuf` tells a dma-buf from any other fd by the link target in
-  ``/proc/self/fd`` (``/dmabuf:<name>``; ``anon_inode:dmabuf`` on old kernels);
-* :meth:`DmaBuf.info` parses ``/proc/self/fdinfo/<fd>`` (``size``,
-  ``exp_name``, ``name``, ``ino``, ``count``);
+* :func:`is_dmabuf` tells a dma-buf from any other fd by its filesystem's
+  magic number (``fstatfs``: ``DMA_BUF_MAGIC``), with no ``/proc`` needed;
+* :meth:`DmaBuf.info` gives its size (``lseek(fd, 0, SEEK_END)``) and inode
+  (``fstat``), and from ``/proc/self/fdinfo/<fd>``, where ``/proc`` is
+  mounted, the exporter's name, the buffer's name and its reference count;
 * :meth:`DmaBuf.set_name`, :meth:`DmaBuf.export_sync_file` and
   :meth:`DmaBuf.sync` wrap ``DMA_BUF_SET_NAME``,
   ``DMA_BUF_IOCTL_EXPORT_SYNC_FILE`` and ``DMA_BUF_IOCTL_SYNC`` from
@@ -24,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError, NotADmaBufError, NotSupportedError, SyscallError
-from .fd import OwnedFd, _close, fd_is_open
+from .fd import OwnedFd, _close, fd_kind
 
 __all__ = ["DmaBuf", "DmaBufInfo", "is_dmabuf", "dmabuf_info", "DMA_BUF_NAME_LEN"]
 
@@ -47,14 +48,15 @@ DMA_BUF_NAME_LEN = 32
 
 @dataclass(frozen=True)
 class DmaBufInfo:
-    """What ``/proc/self/fdinfo/<fd>`` says about a dma-buf.
+    """What the kernel says about a dma-buf.
 
     Attributes:
-        size: buffer size in bytes.
-        exp_name: the exporter, e.g. ``"nv_dmabuf"`` for the NVIDIA driver.
-        name: the name set with ``DMA_BUF_SET_NAME`` (``""`` when unset).
-        inode: the dma-buf's inode number (same on every fd of one buffer).
-        count: the file's reference count as the kernel reports it.
+        size: buffer size in bytes (``lseek(fd, 0, SEEK_END)``).
+        exp_name: the exporter, e.g. ``"nv_dmabuf"`` for the NVIDIA driver
+            (fdinfo; ``"unknown"`` without ``/proc``).
+        name: the name set with ``DMA_BUF_SET_NAME`` (``""`` when unset or unknown).
+        inode: the dma-buf's inode number (``fstat``; same on every fd of one buffer).
+        count: the file's reference count as fdinfo reports it (0 without ``/proc``).
     """
 
     size: int
@@ -64,56 +66,67 @@ class DmaBufInfo:
     count: int
 
 
-def _link(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
 def is_dmabuf(fd: int) -> bool:
     """True when ``fd`` is an open dma-buf of this process.
 
-    Reads the ``/proc/self/fd/<fd>`` link: a dma-buf reads ``/dmabuf:<name>``
-    (``anon_inode:dmabuf`` on kernels before 5.x). Never raises.
+    ``fstatfs`` reports ``DMA_BUF_MAGIC`` for a dma-buf; no ``/proc`` is read
+    (kernels before 5.x, where dma-bufs were anonymous inodes, are recognised by
+    their ``/proc/self/fd`` link ``anon_inode:dmabuf``). Never raises.
     """
-    if not isinstance(fd, int) or fd < 0:
+    kind = fd_kind(fd)
+    if kind == "dma-buf":
+        return True
+    if kind != "other":
         return False
-    link = _link(fd)
-    return link.startswith("/dmabuf:") or link == "anon_inode:dmabuf"
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:dmabuf"
+    except OSError:
+        return False
 
 
 def _describe(fd: int) -> str:
-    if not isinstance(fd, int) or fd < 0:
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
         return f"fd {fd!r} is not a valid file descriptor"
-    if not fd_is_open(fd):
+    kind = fd_kind(fd)
+    if kind == "closed":
         return f"fd {fd} is not open"
-    link = _link(fd)
-    kind = "a pipe" if link.startswith("pipe:") else \
-        "a memfd" if link.startswith("/memfd:") else \
-        "a socket" if link.startswith("socket:") else \
-        f"{link!r}"
-    return f"fd {fd} is not a dma-buf: it is {kind}"
+    article = "an" if kind[0] in "aeiou" else "a"
+    where = ""
+    if kind in ("file", "character device", "block device", "other"):
+        try:  # the path helps where /proc is mounted; the kind alone does elsewhere
+            where = f" ({os.readlink(f'/proc/self/fd/{fd}')!r})"
+        except OSError:
+            pass
+    return f"fd {fd} is not a dma-buf: it is {article} {kind}{where}"
 
 
 def dmabuf_info(fd: int) -> DmaBufInfo:
-    """Parse ``/proc/self/fdinfo/<fd>`` of a dma-buf.
+    """Size (``lseek(fd, 0, SEEK_END)``) and inode (``fstat``) of a dma-buf, with the exporter name,
+    buffer name and reference count from ``/proc/self/fdinfo/<fd>`` where ``/proc`` is mounted.
 
     Raises:
         NotADmaBufError: ``fd`` is closed or not a dma-buf.
+        SyscallError: ``lseek`` failed.
     """
     if not is_dmabuf(fd):
         raise NotADmaBufError(_describe(fd))
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+    except OSError as exc:
+        raise SyscallError("lseek(SEEK_END)", exc) from exc
     fields: dict[str, str] = {}
-    with open(f"/proc/self/fdinfo/{fd}") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:  # no /proc (a chroot or sandbox): only fdinfo's extras are unknown
+        pass
     return DmaBufInfo(
-        size=int(fields.get("size", "0")),
-        exp_name=fields.get("exp_name", ""),
+        size=size,
+        exp_name=fields.get("exp_name", "unknown"),
         name=fields.get("name", ""),
-        inode=int(fields.get("ino", "0")),
+        inode=os.fstat(fd).st_ino,
         count=int(fields.get("count", "0")),
     )
 
@@ -123,7 +136,7 @@ class DmaBuf(OwnedFd):
 
     Args:
         fd: an open dma-buf fd; ownership moves to this object.
-        size: its size in bytes; read from fdinfo when omitted.
+        size: its size in bytes; asked of the kernel (``lseek``) when omitted.
 
     Raises:
         NotADmaBufError: ``fd`` is closed or is not a dma-buf (checked before
@@ -153,7 +166,7 @@ class DmaBuf(OwnedFd):
         return self._size
 
     def info(self) -> DmaBufInfo:
-        """The kernel's view of the buffer (``/proc/self/fdinfo``)."""
+        """The kernel's view of the buffer (see :func:`dmabuf_info`)."""
         return dmabuf_info(self.fd)
 
     def set_name(self, name: str) -> None:

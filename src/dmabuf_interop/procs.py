@@ -2,6 +2,12 @@
 
 :func:`wait_child` is ``waitpid`` with a deadline: past it the child is sent
 ``SIGKILL`` and reaped, so no zombie or orphan is left behind.
+
+A process whose ``SIGCHLD`` disposition is ``SIG_IGN`` (inherited through
+``exec`` from some shells and supervisors) cannot wait for its children: the
+kernel reaps them itself and ``waitpid`` fails with ``ECHILD``
+(waitpid(2), "NOTES"). :func:`make_children_waitable` restores ``SIG_DFL``;
+call it before forking.
 """
 
 from __future__ import annotations
@@ -9,14 +15,34 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO
 
 from ._time import deadline_after
-from .errors import WaitTimeoutError
+from .errors import SyscallError, WaitTimeoutError
 
-__all__ = ["ChildExit", "wait_child", "reap_child"]
+__all__ = ["ChildExit", "wait_child", "reap_child", "make_children_waitable", "host_mapping"]
+
+
+def make_children_waitable() -> None:
+    """Set ``SIGCHLD`` back to ``SIG_DFL`` when it is ``SIG_IGN``, so that ``waitpid`` sees the
+    exit status of children forked afterwards. Only the main thread may change a disposition;
+    elsewhere this does nothing."""
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def _waitpid(pid: int, options: int) -> tuple[int, int]:
+    try:
+        return os.waitpid(pid, options)
+    except ChildProcessError as exc:
+        ignored = signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN
+        why = (": SIGCHLD is ignored (SIG_IGN) in this process, so the kernel reaped the child and its exit "
+               "status is lost; call procs.make_children_waitable() before forking") if ignored else \
+            ": not a child of this process"
+        raise SyscallError(f"waitpid({pid}){why}", exc) from exc
 
 
 @dataclass(frozen=True)
@@ -55,13 +81,14 @@ def wait_child(pid: int, timeout: float | None = None, *, kill_after: bool = Tru
     so no zombie or orphan is left; the result then reports SIGKILL.
 
     Raises:
-        TimeoutError: the child outlived ``timeout`` and ``kill_after`` is False.
-        ChildProcessError: ``pid`` is not our child.
+        WaitTimeoutError: the child outlived ``timeout`` and ``kill_after`` is False.
+        SyscallError: ``waitpid`` -> ``ECHILD``: ``pid`` is not our child, or ``SIGCHLD`` is
+            ignored and the kernel reaped it (the message says which).
     """
     deadline = deadline_after(timeout)
     delay = 0.001
     while True:
-        got, status = os.waitpid(pid, os.WNOHANG)
+        got, status = _waitpid(pid, os.WNOHANG)
         if got == pid:
             if os.WIFSIGNALED(status):
                 return ChildExit(pid, None, os.WTERMSIG(status))
@@ -73,7 +100,7 @@ def wait_child(pid: int, timeout: float | None = None, *, kill_after: bool = Tru
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            _, status = os.waitpid(pid, 0)
+            _, status = _waitpid(pid, 0)
             if os.WIFSIGNALED(status):
                 return ChildExit(pid, None, os.WTERMSIG(status))
             return ChildExit(pid, os.waitstatus_to_exitcode(status), None)
@@ -91,3 +118,19 @@ def reap_child(pid: int, timeout: float | None = None, report: TextIO | None = s
     if not result.ok and report is not None:
         print(result.describe(), file=report, flush=True)
     return result.ok
+
+
+def host_mapping(addr: int) -> tuple[str, str] | None:
+    """``(permissions, path)`` of this process's mapping that holds ``addr``, from
+    ``/proc/self/maps`` (proc(5)): ``permissions`` as ``"rw-s"``, ``path`` ``""`` for an
+    anonymous mapping. ``None`` when ``addr`` is unmapped or ``/proc`` is not mounted."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, _, hi = fields[0].partition("-")
+                if int(lo, 16) <= addr < int(hi, 16):
+                    return fields[1], fields[5].strip() if len(fields) > 5 else ""
+    except OSError:
+        return None
+    return None

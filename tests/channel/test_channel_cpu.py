@@ -261,6 +261,26 @@ def test_pool_exhaustion_waits_then_raises(addr: str) -> None:
 
 # --- peers dying --------------------------------------------------------------------------
 
+def test_find_among_twenty_thousand_live_blocks() -> None:
+    # find bisects a sorted offset list kept up to date by alloc and free, never re-sorting per call
+    with SharedPool(chunk_bytes=8 << 20, max_bytes=8 << 20) as p:
+        blocks = [p.alloc(200) for _ in range(20_000)]
+        for b in blocks:
+            p._ref(b)  # a raw alloc has no user yet; hold it as pool.empty's array would
+        for b in blocks:
+            assert p.find(b.ptr, b.size) is b
+            assert p.find(b.ptr + 100, 4) is b
+            assert p.find(b.ptr + 200, b.size) is None  # straddles into the next block
+        for b in blocks[::2]:
+            p._unref(b)
+        for i, b in enumerate(blocks):
+            assert p.find(b.ptr, 4) is (None if i % 2 == 0 else b)
+        again = p.alloc(200)  # first fit: the lowest freed offset
+        p._ref(again)
+        assert again.offset == blocks[0].offset and p.find(blocks[0].ptr, 4) is again
+        assert p.used_bytes == 10_001 * 256
+
+
 def test_consumer_sigkill_releases_its_leases_and_listener_serves_the_next(addr: str, pool: SharedPool) -> None:
     with listen(addr, pool=pool) as listener:
         proc = start("consumer-hold", addr)

@@ -1,18 +1,36 @@
-"""``dmabuf-interop bench``: it runs on tiny sizes and writes valid JSON. Timings are never asserted."""
+"""``dmabuf-interop bench``: runs on tiny sizes, checks its outputs first, speaks a validated protocol.
+
+Timings are never asserted. The memfd mechanism needs no GPU, so its producer
+and consumer run for real here; the GPU mechanisms are ``gpu``-marked.
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from dmabuf_interop.cli.bench.runner import MECHANISMS, PHASES, parse_sizes, percentile, size_label
-from tests.helpers import run_cli
+from dmabuf_interop.cli._units import MAX_SIZE, parse_size
+from dmabuf_interop.cli.bench import parse_sizes
+from dmabuf_interop.cli.bench.catalog import MECHANISMS
+from dmabuf_interop.cli.bench.protocol import SPEC, check, make
+from dmabuf_interop.cli.bench.report import size_label
+from dmabuf_interop.cli.bench.runner import PHASES, percentile
+from dmabuf_interop.errors import ProtocolError
+from dmabuf_interop.fdpass import recv_message, send_message
+from tests.helpers import env_with_src, run_cli
 
 TOP_KEYS = {"schema", "command", "argv", "started", "environment", "config", "mechanisms", "plot", "bandwidth",
             "python_overhead", "targets"}
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def _load(path) -> dict:
@@ -26,23 +44,25 @@ def _check_cells(mech: dict, sizes: list[int], need_total: bool = True) -> None:
         assert cell["reps"] >= 1
         assert set(cell["phases_us"]) == set(PHASES)
         for phase in ("export", "transport", "export_transport"):
-            st = cell["phases_us"][phase]
-            assert isinstance(st["median"], float) and isinstance(st["p90"], float)
+            stat = cell["phases_us"][phase]
+            assert isinstance(stat["median"], float) and isinstance(stat["p90"], float)
         if need_total:
             assert isinstance(cell["phases_us"]["total"]["median"], float)
 
 
+# --- a real run ----------------------------------------------------------------------------
+
 def test_memfd_bench_runs_and_writes_json(tmp_path):
     path = tmp_path / "bench.json"
-    png = tmp_path / "bench.png"
-    out = run_cli("bench", "--mechanisms", "memfd", "--sizes", "4K,64K", "--reps", "3", "--warmup", "1",
-                  "--json", str(path), "--plot", str(png))
+    out = run_cli("bench", "--mechanisms", "memfd", "--sizes", "4K,0x10000", "--reps", "3", "--warmup", "1",
+                  "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert "mechanism" in out.stdout and "memfd" in out.stdout and "targets:" in out.stdout
-    assert "memfd 4 KiB: total median" in out.stderr  # progress on stderr
+    # stderr is no terminal here: one progress line per cell
+    assert "bench: memfd 4 KiB: total median" in out.stderr and "bench: memfd 64 KiB: total median" in out.stderr
     data = _load(path)
-    assert TOP_KEYS <= set(data)
+    assert TOP_KEYS <= set(data) and data["schema"] == 2
     assert data["config"]["sizes"] == [4096, 65536]
     assert data["config"]["reps"] == 3 and data["config"]["warmup"] == 1
     assert data["command"].startswith("dmabuf-interop bench ")
@@ -54,11 +74,38 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     _check_cells(memfd, [4096, 65536])
     assert all(c["reps"] == 3 for c in memfd["cells"])
     assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead"}
-    if importlib.util.find_spec("matplotlib") is None:
-        assert "matplotlib" in data["plot"]["skipped"] and not png.exists()
-        assert "plot skipped: matplotlib is not installed" in out.stderr
-    else:
-        assert data["plot"]["path"] == str(png) and png.stat().st_size > 0
+    assert data["plot"] is None
+
+
+def test_channel_host_bench_runs_and_writes_json(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--mechanisms", "channel-host", "--sizes", "4K,1M", "--reps", "5",
+                  "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    data = _load(path)
+    assert data["config"]["mechanisms"] == ["channel-host"] and data["config"]["sizes"] == [4096, 1 << 20]
+    mech = data["mechanisms"]["channel-host"]
+    assert mech["status"] == "ok" and mech["kind"] == "ours", mech
+    assert "devices" not in mech  # CUDA-free: a host pool
+    _check_cells(mech, [4096, 1 << 20])
+    for cell in mech["cells"]:
+        assert cell["reps"] == 5
+        assert all(len(v) == 5 for v in cell["samples_us"].values())
+        # the pool was exported before t0: a hand-off exports nothing
+        assert cell["samples_us"]["export"] == [0.0] * 5
+        for phase in ("transport", "import_map", "first_access"):
+            assert all(x >= 0 for x in cell["samples_us"][phase])
+        assert cell["phases_us"]["total"]["median"] >= cell["phases_us"]["transport"]["median"]
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_plot_is_written(tmp_path):
+    png = tmp_path / "bench.png"
+    out = run_cli("bench", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0",
+                  "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert png.stat().st_size > 0
 
 
 def test_missing_peers_are_reported_not_installed(tmp_path):
@@ -76,29 +123,85 @@ def test_missing_peers_are_reported_not_installed(tmp_path):
         assert mech["cells"] == []  # never a number
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(name))
         assert "not installed" in line
-    assert data["targets"]["latency"]["met"] is None or "torch-ipc" not in missing
+    assert data["targets"]["latency"]["met"] is None
 
 
-@pytest.mark.parametrize("sizes", ["4K,abc", "6", "0", "", "1T", "-4K"])
-def test_bad_sizes_exit_2_with_one_line(sizes):
-    out = run_cli("bench", "--sizes", sizes, "--mechanisms", "memfd")
-    assert out.returncode == 2
-    assert out.stdout == ""
+# --- usage errors, reported before anything is measured -------------------------------------
+
+def _usage_error(*args: str) -> str:
+    t = time.monotonic()
+    out = run_cli("bench", "--mechanisms", "memfd", "--reps", "50", *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and time.monotonic() - t < 30  # no pair was started
     lines = out.stderr.splitlines()
-    assert len(lines) == 1 and "--sizes" in lines[0], out.stderr
+    assert len(lines) == 1, out.stderr
+    return lines[0]
 
 
-def test_bad_mechanism_and_devices_exit_2():
+@pytest.mark.parametrize("sizes", ["4K,abc", "6", "0", "", "5T", "-4K", "0o10", "0b100", "4_096", "+4096", "4097G"])
+def test_bad_sizes_exit_2_with_one_line(sizes):
+    assert "--sizes" in _usage_error("--sizes", sizes)
+
+
+def test_json_into_a_missing_folder_is_a_usage_error(tmp_path):
+    line = _usage_error("--json", str(tmp_path / "no" / "such" / "bench.json"))
+    assert "--json" in line and "does not exist" in line
+
+
+def test_json_onto_a_folder_is_a_usage_error(tmp_path):
+    assert "is a folder" in _usage_error("--json", str(tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_json_into_a_read_only_folder_is_a_usage_error(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        assert "permission denied" in _usage_error("--json", str(folder / "bench.json"))
+    finally:
+        folder.chmod(0o700)
+
+
+@pytest.mark.skipif(HAVE_MATPLOTLIB, reason="matplotlib is installed")
+def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
+    line = _usage_error("--plot", str(tmp_path / "bench.png"))
+    assert "--plot" in line and "matplotlib" in line and "dmabuf-interop[bench]" in line
+
+
+def test_bad_mechanism_devices_and_reps_exit_2():
     for args in (("--mechanisms", "nccl"), ("--devices", "0"), ("--reps", "0")):
         out = run_cli("bench", *args)
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
 
 
-def test_parse_sizes_units_and_dedup():
+# --- the size parser ----------------------------------------------------------------------
+
+def test_parse_size_forms():
+    for text, value in (("4096", 4096), ("0x1000", 4096), ("4K", 4096), ("4KiB", 4096), ("4k", 4096),
+                        ("4KB", 4096), ("1M", 1 << 20), ("2G", 2 << 30), ("4096G", MAX_SIZE), ("4T", MAX_SIZE)):
+        assert parse_size(text) == value, text
+    for text in ("0o10", "0b100", "4_096", "+4096", "-1", "", "1.5M", "4097G", "5T", "٤", " 8"):
+        with pytest.raises(ValueError, match="invalid size"):
+            parse_size(text)
+
+
+@given(st.integers(min_value=1, max_value=MAX_SIZE))
+def test_parse_size_reads_back_decimal_and_hex(n):
+    assert parse_size(str(n)) == n and parse_size(hex(n)) == n
+
+
+@given(st.integers(min_value=1, max_value=4096), st.sampled_from([("K", 10), ("MiB", 20), ("G", 30)]))
+def test_parse_size_units_are_binary(k, unit):
+    suffix, shift = unit
+    assert parse_size(f"{k}{suffix}") == k << shift
+
+
+def test_parse_sizes_list_dedup_and_multiple_of_4():
     assert parse_sizes("4K,1M,64M,1G") == [4096, 1 << 20, 64 << 20, 1 << 30]
-    assert parse_sizes("4KiB, 4k,4096,8B") == [4096, 8]
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_sizes("65G")
+    assert parse_sizes("4KiB, 4k,4096,8") == [4096, 8]
+    with pytest.raises(Exception, match="multiple of 4"):
+        parse_sizes("6")
 
 
 def test_percentile_and_labels():
@@ -107,6 +210,99 @@ def test_percentile_and_labels():
     assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
     assert size_label(4096) == "4 KiB" and size_label(1 << 30) == "1 GiB" and size_label(12) == "12 B"
 
+
+# --- the process protocol -----------------------------------------------------------------
+
+CONFIG = {"mechanism": "memfd", "sizes": [4096], "reps": 1, "warmup": 0, "devices": [0, 0], "timeout": 10.0}
+
+
+def test_every_kind_builds_and_checks():
+    samples = {
+        "config": CONFIG, "hello": {"role": "producer", "status": "ok", "versions": {}, "pid": 1},
+        "rec": {"t": [1, None, None], "steps": {"cuMemCreate": 5}}, "cell": {"size": 4096, "import": "ok"},
+        "bw": {"result": {"size": 4096, "device": 0}}, "overhead": {"result": {}}, "done": {"role": "consumer"},
+        "error": {"reason": "x", "unsupported": False}, "ready": {"size": 4096}, "handoff": {"rep": 0},
+        "ack": {"rep": 0}, "pool": {}, "channel": {"address": "/tmp/x.sock"},
+    }
+    assert set(samples) == set(SPEC)
+    for kind, fields in samples.items():
+        msg = make(kind, **fields)
+        assert check(json.loads(json.dumps(msg)), kind) == msg
+
+
+@pytest.mark.parametrize("msg, why", [
+    ({"kind": "ack"}, "lacks 'rep'"),
+    ({"kind": "ack", "rep": True}, "type bool"),
+    ({"kind": "ack", "rep": "0"}, "type str"),
+    ({"kind": "nope"}, "expected"),
+    ({"rep": 0}, "expected"),
+    ({"kind": "rec", "t": [1, 2]}, "three"),
+    ({"kind": "rec", "t": [1.5, 2, 3]}, "three"),
+    ({"kind": "rec", "t": [1, 2, 3], "steps": {"cuMemCreate": "fast"}}, "steps"),
+    ({"kind": "hello", "role": "producer", "status": "great"}, "status"),
+    ({"kind": "done", "role": "root"}, "role"),
+    ({"kind": "bw", "result": {}}, "size"),
+    ({**CONFIG, "kind": "config", "sizes": [4096, -1]}, "sizes"),
+    ({**CONFIG, "kind": "config", "devices": [0]}, "devices"),
+    ({**CONFIG, "kind": "config", "reps": 0}, "reps"),
+])
+def test_malformed_messages_are_protocol_errors(msg, why):
+    kinds = (msg["kind"],) if msg.get("kind") in SPEC else ("ack",)
+    with pytest.raises(ProtocolError, match=why):
+        check(msg, *kinds)
+
+
+def _peer(role: str, config: dict) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Start a real benchmark child on socketpairs, send ``config`` on CTL, collect its reports."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+    fds = [s.fileno() for s in theirs]
+    proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop.cli.bench.peers", role, *map(str, fds)],
+                            pass_fds=fds, env=env_with_src(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for s in theirs:
+        s.close()
+    for s in ours[1:]:
+        s.close()  # no consumer: the child's PC and AUX peers are gone
+    reports = []
+    try:
+        send_message(ours[0], config)
+        while True:
+            try:
+                reports.append(recv_message(ours[0], 30, max_fds=0)[0])
+            except Exception:  # noqa: BLE001 - EOF: the child is done
+                break
+        out, err = proc.communicate(timeout=30)
+    finally:
+        ours[0].close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), reports
+
+
+def test_a_child_refuses_a_malformed_config_in_one_line():
+    done, reports = _peer("consumer", {"kind": "config", **CONFIG, "sizes": ["4K"]})
+    assert done.returncode == 2 and reports == []
+    assert done.stderr.strip().count("\n") == 0 and "config: sizes" in done.stderr, done.stderr
+
+
+def test_a_child_reports_an_unknown_mechanism_as_a_set_up_error():
+    done, reports = _peer("producer", make("config", **{**CONFIG, "mechanism": "nccl"}))
+    assert done.returncode == 1, done.stderr
+    (hello,) = reports
+    assert check(hello, "hello")["status"] == "error" and "unknown mechanism 'nccl'" in hello["reason"]
+
+
+def test_a_producer_whose_consumer_is_gone_reports_an_error():
+    """The consumer never answers (its socket closes): the producer says so on CTL and exits 1."""
+    done, reports = _peer("producer", make("config", **CONFIG))
+    assert done.returncode == 1, done.stderr
+    kinds = [check(r, "hello", "error")["kind"] for r in reports]
+    assert kinds == ["hello", "error"] and "PeerClosedError" in reports[1]["reason"]
+
+
+# --- GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 def test_gpu_mechanisms_run_on_tiny_sizes(tmp_path):
@@ -123,7 +319,10 @@ def test_gpu_mechanisms_run_on_tiny_sizes(tmp_path):
         assert mechs[name]["status"] == "ok", mechs[name]
         _check_cells(mechs[name], [4096, 65536])
     assert all(c["first_share_reps"] == 0 for c in mechs["posix-fd-cached"]["cells"])
-    assert "breakdown_us" in mechs["posix-fd"]["cells"][0]
+    # the breakdown comes from set_observer: keys are driver call names
+    breakdown = mechs["posix-fd"]["cells"][0]["breakdown_us"]
+    assert "cuMemExportToShareableHandle" in breakdown["producer_export"]
+    assert "cuMemImportFromShareableHandle" in breakdown["consumer_import_map"]
     dmabuf = mechs["dmabuf"]
     assert dmabuf["status"] == "ok", dmabuf
     imported = dmabuf.get("import", "ok") == "ok"
@@ -140,6 +339,52 @@ def test_gpu_mechanisms_run_on_tiny_sizes(tmp_path):
     assert bw["status"] == "ok", bw
     assert [b["size"] for b in bw["sizes"]] == [4096, 65536]
     assert all(b["verified"] and b["import"]["gbps"] > 0 and b["native"]["gbps"] > 0 for b in bw["sizes"])
-    ov = data["python_overhead"]
-    assert ov["posix_fd_cycle"]["library_median_us"] > 0 and ov["posix_fd_cycle"]["raw_median_us"] > 0
-    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead"}
+    cyc = data["python_overhead"]["posix_fd_cycle"]
+    assert cyc["library_median_us"] > 0 and cyc["raw_median_us"] > 0
+    assert cyc["library_driver_calls"]["cuMemCreate"] == 1 and cyc["library_driver_calls"]["cuMemMap"] == 2
+    split = cyc["library_split_us"]
+    assert set(split) == {"total", "driver_calls", "context_calls", "python"} and split["driver_calls"] > 0
+    assert set(cyc["raw_split_us"]) == {"total", "fd_close", "python"}
+    dma = data["python_overhead"]["dmabuf_export"]
+    assert "overhead" in dma or dma["status"].startswith("unsupported")
+    po = data["targets"]["python_overhead"]
+    assert po["met"] in (True, False) and ("dmabuf_ratio" in po) == ("overhead" in dma)
+
+
+@pytest.mark.gpu
+def test_gpu_channel_bench_runs(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--mechanisms", "channel,channel-host", "--sizes", "4K,1M", "--reps", "3",
+                  "--warmup", "2", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mechs = _load(path)["mechanisms"]
+    for name in ("channel", "channel-host"):
+        assert mechs[name]["status"] == "ok", mechs[name]
+        _check_cells(mechs[name], [4096, 1 << 20])
+    assert mechs["channel"]["devices"] == {"producer": 0, "consumer": 0}
+
+
+@pytest.mark.gpu(count=2)
+def test_gpu_channel_cross_device_pair(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--devices", "0,1", "--mechanisms", "channel", "--sizes", "4K", "--reps", "2",
+                  "--warmup", "2", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mech = _load(path)["mechanisms"]["channel"]
+    assert mech["status"] == "ok", mech
+    assert mech["devices"] == {"producer": 0, "consumer": 1}
+    _check_cells(mech, [4096])
+
+
+@pytest.mark.gpu(count=2)
+def test_gpu_cross_device_pair(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--devices", "0,1", "--mechanisms", "posix-fd,posix-fd-cached,cuda-core-ipc",
+                  "--sizes", "4K", "--reps", "2", "--warmup", "2", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = _load(path)
+    for name in ("posix-fd", "posix-fd-cached"):
+        assert data["mechanisms"][name]["status"] == "ok"
+        assert data["mechanisms"][name]["devices"] == {"producer": 0, "consumer": 1}
+    b = data["bandwidth"]["sizes"][0]
+    assert b["peer_device"] == 1 and b["cross_import"]["gbps"] > 0 and "memcpy_peer" in b

@@ -20,8 +20,8 @@ def _attr(name: str) -> int | None:
     return None if out.stdout.strip() == "None" else int(out.stdout.strip())
 
 
-def test_default_run_passes_or_skips_with_hint():
-    out = run_cli()
+def test_sample_path_passes_or_skips_with_hint():
+    out = run_cli("--mechanism", "dmabuf")
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("Device 0: ") and "Compute Capability" in lines[0]
@@ -32,6 +32,36 @@ def test_default_run_passes_or_skips_with_hint():
                             "Skipping sample.")
         assert lines[-1].startswith("Hint: ") and "--mechanism" in lines[-1]
         assert "Traceback" not in out.stderr
+
+
+def test_default_run_shares_memory_for_real():
+    """``auto``: the sample's path, or one line per mechanism passed over, then verified sections."""
+    out = run_cli()
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("Device 0: ") and "Compute Capability" in lines[0]
+    if _attr("HOST_ALLOC_DMA_BUF_SUPPORTED") == 0:
+        assert lines[1] == ("Device 0 does not report CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED. "
+                            "Skipping sample.")
+        chosen = next(line for line in lines if line.startswith("Running the demos with "))
+        assert all(line.startswith("Passed over ") for line in lines[2:lines.index(chosen)])
+    assert out.stdout.count("verified (0 mismatches)") >= 2
+    assert "Skipping sample." not in out.stdout.split("Same-process round-trip", 1)[1]
+    assert lines[-1] == "Done" and "Hint:" not in out.stdout
+
+
+@pytest.mark.gpu(count=2)
+def test_default_run_on_h200_pair_is_three_posix_fd_sections():
+    """On H200 with driver 580: host memory is gated out, dma-buf import answers NOT_SUPPORTED, POSIX fd runs."""
+    if _attr("HOST_ALLOC_DMA_BUF_SUPPORTED") != 0:
+        pytest.skip("this GPU exports pinned host memory: the sample's path runs")
+    out = run_cli()
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2] == "Passed over dmabuf: dmabuf import: cuImportExternalMemory -> CUDA_ERROR_NOT_SUPPORTED"
+    assert lines[3] == "Running the demos with posix-fd, the first mechanism that works end to end here."
+    assert out.stdout.count("verified (0 mismatches)") == 3
+    assert "parent: on device 1, received POSIX fd" in out.stdout
 
 
 def test_posix_fd_runs_all_sections():

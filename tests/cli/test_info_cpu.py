@@ -40,7 +40,8 @@ def test_json_without_a_gpu_gives_the_reason(report: dict) -> None:
         pytest.skip(f"this machine has {n} GPU(s); the no-driver report is tested where none is present")
     cuda = report["cuda"]
     assert cuda["available"] is False and cuda["device_count"] == 0 and report["gpus"] == []
-    assert cuda["reason"].startswith(("no CUDA driver", "no CUDA device")), cuda["reason"]
+    assert cuda["reason_code"] == "no-driver" and cuda["reason"].startswith("no NVIDIA driver"), cuda
+
     assert cuda["worker"] == "ok"
     for key in ("dmabuf-host", "dmabuf-device", "posix-fd"):
         m = report["mechanisms"][key]
@@ -58,6 +59,9 @@ def test_text_report_exits_0_with_reason(report: dict) -> None:
     assert len(out.stdout.splitlines()) <= 60
     if not report["cuda"]["available"]:
         assert f"not available: {report['cuda']['reason']}" in out.stdout
+        assert out.stdout.count(report["cuda"]["reason"]) == 1, "the no-driver reason is said once"
+    if report["system"]["nvidia_kernel_module"] == "absent":
+        assert "/proc/driver/nvidia/version absent" in out.stdout
     for key in info.MECHANISMS:
         assert re.search(rf"^  {re.escape(key)}\s+(usable|not usable|unknown)\s", out.stdout, re.M)
 
@@ -110,7 +114,7 @@ def test_child_that_stops_after_the_probes_line() -> None:
 
 def test_child_that_says_nothing() -> None:
     r = info.build_report(timeout=30, worker_argv=[sys.executable, "-c", "import sys; sys.exit('boom')"])
-    assert r["cuda"] == {"available": False, "reason": "probe child exited with status 1: boom",
+    assert r["cuda"] == {"available": False, "reason": "probe child exited with status 1: boom", "reason_code": "probe-failed",
                          "device_count": 0, "worker": "probe child exited with status 1: boom"}
     assert r["mechanisms"]["posix-fd"]["reason"] == r["cuda"]["reason"]
 
@@ -167,7 +171,8 @@ def test_nvidia_driver_version_file(tmp_path: Path) -> None:
     assert info.nvidia_driver(p) == ("580.159.04", "open")
     p.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
     assert info.nvidia_driver(p) == ("535.104.05", "proprietary")
-    assert info.nvidia_driver(tmp_path / "absent") == (None, "unknown")
+    assert info.nvidia_driver(tmp_path / "absent") == (None, "absent")
+    assert info.nvidia_driver(tmp_path) == (None, "unknown")  # a directory: exists, unreadable as text
 
 
 def test_dev_nodes(tmp_path: Path) -> None:

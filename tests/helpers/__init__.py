@@ -11,13 +11,9 @@ from pathlib import Path
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 _PROBE = """
-import sys
 from dmabuf_interop import capabilities
-ok, reason = capabilities.driver_status()
-if ok:
-    print(capabilities.device_count())
-else:
-    print('0 ' + reason)
+problem = capabilities.driver_problem()
+print(capabilities.device_count() if problem is None else '0 ' + ' '.join(problem))
 """
 
 
@@ -27,17 +23,32 @@ def env_with_src() -> dict[str, str]:
     return env
 
 
+def nvidia_gpu_present() -> bool:
+    """True when the kernel shows an NVIDIA GPU (``/proc/driver/nvidia/gpus`` or ``/dev/nvidia0``),
+    whatever Python packages are installed."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> tuple[int, str]:
-    """(number of CUDA devices, reason when 0), asked of a child process."""
+    """(number of CUDA devices, reason when 0), asked of a child process. The reason starts with
+    ``no GPU here:`` or, where the kernel shows an NVIDIA GPU that CUDA cannot use from this Python
+    (cuda-bindings missing, driver too old, ``CUDA_VISIBLE_DEVICES``), ``GPU here, but``."""
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
                              env=env_with_src())
+        first = (out.stdout.strip() or "0 error " + out.stderr.strip()[-200:]).split(" ", 1)
     except subprocess.TimeoutExpired:
-        return 0, "probing for a CUDA driver timed out"
-    first = (out.stdout.strip() or "0 " + out.stderr.strip()[-200:]).split(" ", 1)
+        first = ["0", "error probing for a CUDA driver timed out"]
     n = int(first[0]) if first[0].isdigit() else 0
-    return n, (first[1] if len(first) > 1 else "no CUDA device")
+    if n:
+        return n, ""
+    code, _, text = (first[1] if len(first) > 1 else "error no CUDA device").partition(" ")
+    if nvidia_gpu_present():
+        what = "package missing" if code == "no-bindings" else code
+        return 0, f"GPU here, but {what}: {text}"
+    return 0, f"no GPU here: {text}"
 
 
 def run_cli(*args: str, timeout: float = 120, extra_env: dict[str, str] | None = None

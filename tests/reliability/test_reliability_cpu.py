@@ -72,7 +72,7 @@ def forbid_driver(monkeypatch):
 
     for name in ("init", "bindings", "set_current", "device", "import_external_memory_dmabuf",
                  "external_memory_mapped_buffer", "vmm_import_posix_fd", "mem_alloc", "mem_alloc_host",
-                 "vmm_create", "pointer_device_ordinal"):
+                 "vmm_create", "pointer_facts"):
         monkeypatch.setattr(driver, name, refuse(name))
     yield calls
     assert calls == []
@@ -478,6 +478,8 @@ FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill"
 UNPICKLING_ALLOWED = {
     "peers.py": "the benchmark's torch-IPC baseline measures torch's own pickled hand-off "
                       "(ForkingPickler) between two benchmark processes, for comparison",
+    "weight_sync_peers.py": "the weight-sync benchmark's peers measure torch's pickled IPC handles "
+                            "between two benchmark processes, for comparison",
 }
 
 
@@ -553,3 +555,26 @@ def test_received_bad_metadata_is_not_trusted_for_memfd_import():
             with pytest.raises(InvalidArgumentError, match="exceeds"):
                 import_memfd(fd, msg["size"], msg["offset"])
 
+
+
+def test_host_mapping_tells_the_drivers_shared_anonymous_memory_from_a_callers_own():
+    import ctypes
+    import mmap
+
+    from dmabuf_interop.mechanisms.dmabuf import _is_registered_host_memory
+    from dmabuf_interop.procs import host_mapping
+
+    shared = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    own = ctypes.create_string_buffer(1 << 16)
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(shared))
+        assert host_mapping(addr) == ("rw-s", "/dev/zero (deleted)")
+        assert not _is_registered_host_memory(addr)  # how cuMemAllocHost memory is mapped
+        perms, _ = host_mapping(ctypes.addressof(own))
+        assert perms.startswith("rw") and perms[3] == "p"
+        assert _is_registered_host_memory(ctypes.addressof(own))
+        assert host_mapping(0) is None
+    finally:
+        del addr
+        gc.collect()
+        shared.close()

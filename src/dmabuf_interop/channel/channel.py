@@ -347,10 +347,12 @@ def _inspect(array: Any) -> _Source:
 
 
 def _is_host_ptr(view: Any) -> bool:
+    """True for host memory CUDA knows (pinned or registered): ``CU_MEMORYTYPE_HOST`` from ``cuPointerGetAttributes``."""
     try:
         from .. import _driver as driver
 
-        return driver.pointer_is_host(int(view.ptr))
+        host = int(driver.bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
+        return driver.pointer_facts(int(view.ptr))["memory_type"] == host
     except DmaBufError:
         return False
 

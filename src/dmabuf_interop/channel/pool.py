@@ -90,6 +90,15 @@ class _Chunk:
         self.device_uuid = export.device_uuid
         self.free = _FreeList(self.size)
         self.blocks: dict[int, Block] = {}  # offset -> live block
+        self.offsets: list[int] = []  # the keys of ``blocks``, kept sorted for bisect in SharedPool.find
+
+    def add(self, block: "Block") -> None:
+        self.blocks[block.offset] = block
+        bisect.insort(self.offsets, block.offset)
+
+    def remove(self, block: "Block") -> None:
+        del self.blocks[block.offset]
+        del self.offsets[bisect.bisect_left(self.offsets, block.offset)]
 
     @property
     def fd(self) -> int:
@@ -266,7 +275,7 @@ class SharedPool:
                     off = chunk.free.alloc(n)
                     if off is not None:
                         block = Block(self, chunk, off, n)
-                        chunk.blocks[off] = block
+                        chunk.add(block)
                         return block
                 size = self._chunk_size_for(n)
                 if sum(c.size for c in self._chunks) + size <= self.max_bytes:
@@ -291,7 +300,7 @@ class SharedPool:
         with self._cond:
             block.refs -= 1
             if block.refs <= 0 and block.chunk.blocks.get(block.offset) is block:
-                del block.chunk.blocks[block.offset]
+                block.chunk.remove(block)
                 block.chunk.free.free(block.offset, block.size)
                 self._cond.notify_all()
 
@@ -300,10 +309,9 @@ class SharedPool:
         with self._cond:
             for chunk in self._chunks:
                 if chunk.ptr <= ptr and ptr + nbytes <= chunk.ptr + chunk.size:
-                    offs = sorted(chunk.blocks)
-                    i = bisect.bisect_right(offs, ptr - chunk.ptr) - 1
+                    i = bisect.bisect_right(chunk.offsets, ptr - chunk.ptr) - 1
                     if i >= 0:
-                        b = chunk.blocks[offs[i]]
+                        b = chunk.blocks[chunk.offsets[i]]
                         if ptr + nbytes <= b.ptr + b.size:
                             return b
                     return None

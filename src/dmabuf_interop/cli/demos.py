@@ -6,9 +6,17 @@
 3. Cross-GPU across processes: as 2, the child on the producer GPU and the
    parent on the consumer GPU of :meth:`~.mechanisms.Mechanism.pair`.
 
+``--mechanism auto`` (the default) first takes the sample's path (its gate
+and skip line); where the sample is gated out, or the probes say its export
+or import does not work, one line per mechanism passed over gives the
+library's reason (:func:`~dmabuf_interop.mechanisms.why_not`), and the demos
+run with the first of :data:`~dmabuf_interop.mechanisms.PREFERENCE` that
+works (:func:`~dmabuf_interop.mechanisms.choose`).
+
 Kept from the sample: both children are forked before the parent initialises
 CUDA (the driver does not survive ``fork()`` after ``cuInit``); each child
-blocks on a one-byte "go" before any CUDA work, and the parent closing the
+blocks on a one-byte "go" before any CUDA work (the byte names the mechanism,
+which ``auto`` chooses only after the fork), and the parent closing the
 socket without writing tells it to skip; the producer waits for a one-byte ack
 before freeing its memory; stdout is line-buffered and flushed before each
 fork, so lines come in source order when piped. A child prints "sent fd to
@@ -28,6 +36,7 @@ needed.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -38,17 +47,27 @@ from typing import Any, TextIO
 from .. import capabilities
 from ..descriptor import ShareDescriptor
 from ..errors import (DmaBufError, InvalidArgumentError, NoDriverError, NotSupportedError, PeerClosedError,
-                      WaitTimeoutError)
+                      SyscallError, WaitTimeoutError)
 from ..fd import OwnedFd
 from ..fdpass import close_fds, recv_message, recv_token, send_message, send_token
-from ..mechanisms import Mechanism, get_mechanism
-from ..mechanisms.probes import probe_device
+from ..mechanisms import Mechanism, choose, get_mechanism, why_not
 from ..procs import wait_child
 from ._faults import fault
 
 __all__ = ["Outcome", "DemoOptions", "run_demos"]
 
-GO, ACK = b"G", b"A"
+ACK = b"A"
+#: The "go" bytes: each names the (mechanism, memory) the child exports with.
+GO: dict[bytes, tuple[str, str]] = {b"G": ("dmabuf", "host"), b"D": ("dmabuf", "device"),
+                                    b"P": ("posix-fd", "device"), b"M": ("memfd", "host")}
+#: ``--mechanism auto``: the sample's path, then the first mechanism that works here.
+AUTO = "auto"
+
+
+def _go(mech: Mechanism) -> bytes:
+    """The "go" byte naming ``mech`` (see :data:`GO`)."""
+    want = (mech.name, getattr(mech, "memory", "device" if mech.uses_cuda else "host"))
+    return next(token for token, named in GO.items() if named == want)
 
 
 @dataclass(frozen=True)
@@ -86,14 +105,14 @@ class DemoOptions:
     """What ``dmabuf-interop`` runs.
 
     Attributes:
-        mechanism: ``"dmabuf"``, ``"posix-fd"`` or ``"memfd"``.
+        mechanism: ``"auto"``, ``"dmabuf"``, ``"posix-fd"`` or ``"memfd"``.
         memory: ``"host"`` or ``"device"`` (dmabuf only).
         device: CUDA ordinal of the same-process and cross-process demos.
         size: bytes to share (> 0, a multiple of 4: the pattern is int32).
         timeout: seconds any wait on a peer may take.
     """
 
-    mechanism: str = "dmabuf"
+    mechanism: str = AUTO
     memory: str = "host"
     device: int = 0
     size: int = 16384
@@ -111,14 +130,18 @@ class _Printer:
 
 # --- child side -------------------------------------------------------------------------
 
-def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, say: _Printer) -> int:
+def _child(sock: socket.socket, demo: int, opts: DemoOptions, say: _Printer) -> int:
     """A forked producer. Returns its exit status."""
     try:
         # No deadline for "go": demo 1 may take long, and the parent's exit (even a
         # crash) closes its end, which ends this wait with EOF.
-        recv_token(sock, None)
+        token = recv_token(sock, None)
     except PeerClosedError:
         return 0  # the parent skipped this demo
+    if token not in GO:
+        say(f"  child:  unknown go byte {token!r} from parent")
+        return 1
+    mech = get_mechanism(*GO[token])
     where = ""
     device = opts.device
     if demo == 3:
@@ -154,7 +177,7 @@ def _child(sock: socket.socket, demo: int, mech: Mechanism, opts: DemoOptions, s
     return 0
 
 
-def _fork_child(demo: int, mech: Mechanism, opts: DemoOptions, out: TextIO,
+def _fork_child(demo: int, opts: DemoOptions, out: TextIO,
                 close_in_child: list[socket.socket]) -> tuple[int, socket.socket]:
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     out.flush()
@@ -166,7 +189,7 @@ def _fork_child(demo: int, mech: Mechanism, opts: DemoOptions, out: TextIO,
             parent_end.close()
             for s in close_in_child:
                 s.close()
-            status = _child(child_end, demo, mech, opts, _Printer(out))
+            status = _child(child_end, demo, opts, _Printer(out))
         except KeyboardInterrupt:
             status = 130  # Ctrl-C reached the whole process group: the parent reports it
         except BaseException as exc:  # noqa: BLE001 - a child never returns into the caller
@@ -229,7 +252,7 @@ def _consume(mech: Mechanism, fd: int, desc: ShareDescriptor, device: int, who: 
 def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOptions, device: int,
                    where: str, say: _Printer) -> tuple[Outcome, str]:
     try:
-        send_token(sock, GO)
+        send_token(sock, _go(mech))
         msg, fds = recv_message(sock, opts.timeout, max_fds=1)
     except PeerClosedError:
         sock.close()
@@ -280,15 +303,55 @@ def _cross_process(pid: int, sock: socket.socket, mech: Mechanism, opts: DemoOpt
 def _hint(mech: Mechanism, device: int) -> str:
     """Name a mechanism the probes say works on this machine."""
     try:
-        probes = probe_device(device)
+        if mech.name == "dmabuf" and getattr(mech, "memory", "") == "host" and why_not("dmabuf", device) is None:
+            return "Hint: dma-buf from device memory works here: --mechanism dmabuf --memory device"
+        if why_not("posix-fd", device) is None:
+            return f"Hint: CUDA POSIX-fd handles work on device {device}: --mechanism posix-fd"
     except DmaBufError:
-        return "Hint: --mechanism memfd runs the demos over host shared memory"
-    if mech.name == "dmabuf" and getattr(mech, "memory", "") == "host" and \
-            probes["device_dmabuf_export"].status == "ok" and probes["dmabuf_import"].status == "ok":
-        return "Hint: dma-buf from device memory works here: --mechanism dmabuf --memory device"
-    if probes["posix_fd_export"].status == "ok" and probes["posix_fd_import"].status == "ok":
-        return (f"Hint: CUDA POSIX-fd handles work on device {device}: --mechanism posix-fd")
+        pass
     return "Hint: --mechanism memfd runs the demos over host shared memory"
+
+
+def _auto(opts: DemoOptions, count: int | None, say: _Printer) -> Mechanism:
+    """``--mechanism auto``: the sample's mechanism where its gate and the probes pass (the
+    gate's skip line otherwise), else the first that works, after one line per mechanism
+    passed over. ``count``: CUDA devices, ``None`` without a driver."""
+    if count is not None and opts.memory == "host":
+        sample = get_mechanism("dmabuf", "host")
+        missing = sample.gate(opts.device)
+        if missing:
+            say(_gate_line(opts.device, missing))
+        else:
+            why = why_not("dmabuf", opts.device, "host")
+            if why is None:
+                return sample
+            say(f"Passed over {why}")
+    mech, reasons = choose(opts.device)
+    for why in reasons:
+        say(f"Passed over {why}")
+    say(f"Running the demos with {mech.name}, the first mechanism that works end to end here.")
+    return mech
+
+
+def _open_device(opts: DemoOptions, say: _Printer) -> int | None:
+    """Print the device line; the number of CUDA devices, or ``None`` without a driver.
+
+    Raises:
+        InvalidArgumentError: ``opts.device`` is out of range (a usage error).
+    """
+    try:
+        count = capabilities.device_count()
+    except NoDriverError as exc:
+        if opts.mechanism != AUTO:
+            say(f"CUDA is not usable here: {exc.detail or exc}")
+            say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
+        return None
+    if not 0 <= opts.device < count:
+        raise InvalidArgumentError(f"--device {opts.device} out of range: "
+                                   f"this machine has {count} CUDA device(s)")
+    facts = capabilities.device_facts(opts.device)
+    say(f"Device {opts.device}: {facts.name} (Compute Capability {facts.compute_capability})")
+    return count
 
 
 def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
@@ -299,13 +362,14 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
     """
     out = out if out is not None else sys.stdout
     say = _Printer(out)
-    mech = get_mechanism(opts.mechanism, opts.memory)
+    auto = opts.mechanism == AUTO
+    mech = None if auto else get_mechanism(opts.mechanism, opts.memory)
     if opts.size <= 0 or opts.size % 4:
         raise InvalidArgumentError(f"--size must be a positive multiple of 4 bytes, got {opts.size}")
 
-    # Fork both producers before this process touches CUDA.
-    pid1, sock1 = _fork_child(2, mech, opts, out, [])
-    pid2, sock2 = _fork_child(3, mech, opts, out, [sock1])
+    # Fork both producers before this process touches CUDA; "go" tells them the mechanism.
+    pid1, sock1 = _fork_child(2, opts, out, [])
+    pid2, sock2 = _fork_child(3, opts, out, [sock1])
     children = {pid1: sock1, pid2: sock2}
 
     def finish(status: int, kill: bool = False) -> int:
@@ -315,34 +379,32 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
             sock.close()
             try:
                 wait_child(pid, 0 if kill else opts.timeout)
-            except ChildProcessError:  # already reaped by the demo that was interrupted
-                pass
+            except SyscallError as exc:  # ECHILD: already reaped by the demo that was interrupted
+                if exc.errno != errno.ECHILD:
+                    raise
         children.clear()
         return status
 
     try:
-        if mech.uses_cuda:
+        if mech is None or mech.uses_cuda:
             try:
-                count = capabilities.device_count()
-            except NoDriverError as exc:
-                say(f"No CUDA driver on this machine: {exc.detail or exc}")
-                say("Run `dmabuf-interop --mechanism memfd` to run the demos over host shared memory.")
-                return finish(0)
-            if not 0 <= opts.device < count:
-                print(f"dmabuf-interop: error: --device {opts.device} out of range: "
-                      f"this machine has {count} CUDA device(s)", file=sys.stderr)
+                count = _open_device(opts, say)
+            except InvalidArgumentError as exc:
+                print(f"dmabuf-interop: error: {exc}", file=sys.stderr)
                 return finish(2)
-            facts = capabilities.device_facts(opts.device)
-            say(f"Device {opts.device}: {facts.name} (Compute Capability {facts.compute_capability})")
-            missing = mech.gate(opts.device)
-            if missing:
-                say(_gate_line(opts.device, missing))
-                say(_hint(mech, opts.device))
+            if mech is None:
+                mech = _auto(opts, count, say)
+            elif count is None:
                 return finish(0)
-        else:
+            else:
+                missing = mech.gate(opts.device)
+                if missing:
+                    say(_gate_line(opts.device, missing))
+                    say(_hint(mech, opts.device))
+                    return finish(0)
+        if not mech.uses_cuda:
             say("Host shared memory (memfd_create + mmap, no GPU)")
         say()
-
         results = [_same_process(mech, opts, say)]
         say()
         say("Cross-process IPC (fork + SCM_RIGHTS)")
@@ -361,7 +423,8 @@ def run_demos(opts: DemoOptions, out: TextIO | None = None) -> int:
         if any(o is Outcome.FAILED for o, _ in results):
             return finish(1)
         say("Done")
-        if mech.uses_cuda and any(o is Outcome.SKIPPED and r != WORDING[mech.name].no_pair for o, r in results):
+        if not auto and mech.uses_cuda and \
+                any(o is Outcome.SKIPPED and r != WORDING[mech.name].no_pair for o, r in results):
             say(_hint(mech, opts.device))
         return finish(0)
     except BaseException:

@@ -84,10 +84,13 @@ def read_kernel_config(paths: Sequence[str | os.PathLike[str]] | None = None,
 
 
 def nvidia_driver(path: str | os.PathLike[str] = "/proc/driver/nvidia/version") -> tuple[str | None, str]:
-    """``(driver version, "open" | "proprietary" | "unknown")`` from the first line of
-    ``/proc/driver/nvidia/version``; the open module's line says ``Open Kernel Module``."""
+    """``(driver version, "open" | "proprietary" | "absent" | "unknown")`` from the first line of
+    ``/proc/driver/nvidia/version``; the open module's line says ``Open Kernel Module``;
+    ``absent``: the file does not exist (no NVIDIA kernel module loaded); ``unknown``: unreadable."""
     try:
         first = Path(path).read_text(errors="replace").splitlines()[0]
+    except FileNotFoundError:
+        return None, "absent"
     except (OSError, IndexError):
         return None, "unknown"
     m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", first)
@@ -193,9 +196,10 @@ def _worker() -> int:
     from ..mechanisms.probes import probe_device
 
     _emit("bindings", built_for=_safe(lambda: _cuda_version(capabilities.bindings_version()), None))
-    ok, reason = capabilities.driver_status()
+    problem = capabilities.driver_problem()
+    ok = problem is None
     n = capabilities.device_count() if ok else 0
-    _emit("driver", ok=ok, reason=reason, count=n,
+    _emit("driver", ok=ok, reason="" if ok else problem[1], reason_code="" if ok else problem[0], count=n,
           version=_safe(lambda: _cuda_version(capabilities.driver_version()), None) if ok else None)
     for i in range(n):
         facts = _safe(lambda: capabilities.device_facts(i), None)
@@ -320,12 +324,17 @@ def _decide_posix(cuda: dict[str, Any], gpus: list[dict[str, Any]]) -> tuple[boo
 
 
 def _memfd() -> tuple[bool, str]:
-    """``memfd_create(2)`` in this process: host shared memory needs no GPU."""
+    """One page exported and imported in this process, as the demos do: host shared memory
+    needs no GPU (nor ``/proc``)."""
+    from ..errors import DmaBufError
+    from ..mechanisms.memfd import export_memfd, import_memfd
+
     try:
-        os.close(os.memfd_create("dmabuf-interop-info", os.MFD_CLOEXEC))
-    except (OSError, AttributeError) as exc:
-        return False, f"memfd_create failed: {exc}"
-    return True, "memfd_create works (host shared memory, no GPU involved)"
+        with export_memfd(4096) as exported, import_memfd(exported.fd, 4096):
+            pass
+    except DmaBufError as exc:
+        return False, f"memfd export and import failed: {exc}"
+    return True, "memfd_create and mmap work (host shared memory, no GPU involved)"
 
 
 def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -338,10 +347,12 @@ def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None
     drv = (by_kind.get("driver") or [None])[0]
     system["cuda_bindings_built_for"] = (by_kind.get("bindings") or [{}])[0].get("built_for")
     if drv is None:
-        cuda = {"available": False, "reason": failure or "probe child reported nothing", "device_count": 0}
+        cuda = {"available": False, "reason": failure or "probe child reported nothing", "reason_code": "probe-failed",
+                "device_count": 0}
     else:
         system["cuda_driver_version"] = drv.get("version")
-        cuda = {"available": bool(drv["ok"]), "reason": drv.get("reason", ""), "device_count": int(drv["count"])}
+        cuda = {"available": bool(drv["ok"]), "reason": drv.get("reason", ""), "reason_code": drv.get("reason_code", ""),
+                "device_count": int(drv["count"])}
     cuda["worker"] = failure or "ok"
     missing = f"unknown ({failure})" if failure else "unknown"
     probes = {d["ordinal"]: d["probes"] for d in by_kind.get("probes", [])}
@@ -390,7 +401,8 @@ def format_report(r: dict[str, Any]) -> str:
     """The one-screen text form of :func:`build_report`'s dict."""
     s, c = r["system"], r["cuda"]
     drv = s["nvidia_driver_version"] or "unknown"
-    mod = {"open": "open kernel module", "proprietary": "proprietary kernel module"}.get(
+    mod = {"open": "open kernel module", "proprietary": "proprietary kernel module",
+           "absent": "/proc/driver/nvidia/version absent"}.get(
         s["nvidia_kernel_module"], "/proc/driver/nvidia/version not readable")
     cfg = " ".join(f"{k[7:]}={v}" for k, v in s["kernel_config"].items())
     io = s["iommu"]
@@ -418,7 +430,9 @@ def format_report(r: dict[str, Any]) -> str:
     out += ["", "Mechanisms"]
     for key, m in r["mechanisms"].items():
         state = {True: "usable", False: "not usable", None: "unknown"}[m["usable"]]
-        line = f"  {key:<14} {state:<11} {m['reason']}"
+        # The no-driver reason is printed once, on the CUDA line above.
+        reason = "CUDA not available (above)" if not c["available"] and m["reason"] == c["reason"] else m["reason"]
+        line = f"  {key:<14} {state:<11} {reason}"
         out.append(line)
         if key != "memfd" and c["available"]:
             pair = m["pair"]
@@ -433,7 +447,8 @@ def main(json_output: bool = False, timeout: float = 60.0) -> int:
     report = build_report(timeout)
     from .info_nixl import format_nixl
 
-    print(json.dumps(report, indent=2) if json_output else format_report(report) + "\n" + format_nixl(report["nixl"]))
+    text = format_report(report) + "\n\n" + format_nixl(report["nixl"])
+    print(json.dumps(report, indent=2) if json_output else text)
     return 0
 
 

@@ -50,7 +50,7 @@ def rdma_core_version() -> str | None:
     return None
 
 
-def _worker() -> int:
+def _worker(probe_vram: bool) -> int:
     """Child: one JSON line of facts; UCX's protocol tables go to stdout around it."""
     facts: dict[str, Any] = {}
     try:
@@ -89,6 +89,10 @@ def _worker() -> int:
         facts["host_read"] = read((src.ctypes.data, src.nbytes, 0), (dst.ctypes.data, dst.nbytes, 0), "DRAM")
     except Exception as exc:  # noqa: BLE001
         facts["host_read"] = f"{type(exc).__name__}: {exc}"
+    if not probe_vram:  # why CUDA is unavailable is the CUDA line's to say, once
+        facts["vram_register"] = "not tried: CUDA not available"
+        print(json.dumps(facts), flush=True)
+        return 0
     try:
         from ..channel.pool import SharedPool
 
@@ -121,7 +125,10 @@ def nixl_report(report: dict[str, Any] | None = None, timeout: float = 60.0) -> 
     if version is not None:
         env = dict(os.environ, UCX_PROTO_INFO="y", NIXL_LOG_LEVEL="WARN")
         try:
-            p = subprocess.run([sys.executable, "-m", "dmabuf_interop.cli.info_nixl", "--worker"], env=env,
+            probe_vram = (report or {}).get("cuda", {}).get("available", True)
+            cmd = [sys.executable, "-m", "dmabuf_interop.cli.info_nixl", "--worker"]
+            cmd += [] if probe_vram else ["--no-vram"]
+            p = subprocess.run(cmd, env=env,
                                capture_output=True, text=True, timeout=timeout)
             lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
             out.update(lines[-1] if lines else {"error": f"worker exited {p.returncode}: {p.stderr[-300:]}"})
@@ -168,6 +175,6 @@ def format_nixl(n: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        raise SystemExit(_worker())
+    if sys.argv[1:2] == ["--worker"]:
+        raise SystemExit(_worker("--no-vram" not in sys.argv[2:]))
     print(format_nixl(nixl_report()))

@@ -4,8 +4,18 @@
 ``dmabuf-interop info`` reports what works on this machine and why not;
 ``dmabuf-interop bench`` measures the mechanisms against what users use today.
 
-Exit status: 0 passed or skipped for a missing capability, 1 failed,
-2 usage error (always one line on stderr).
+Exit status (every command):
+
+* 0: passed, or skipped for a missing capability; also when the reader of
+  stdout goes away (``| head``): whether a writer notices a closed pipe at all
+  depends on pipe buffering, so stopping quietly with 0 is the one status a
+  closed stdout can always give;
+* 1: failed (one line naming the call and its result), including a full stdout;
+* 2: usage error (one line on stderr);
+* 130: interrupted (Ctrl-C); the demos' children are killed and reaped first.
+
+Options that do not apply to what runs (``--size`` with ``info``, ``--device``
+with memfd, ...) are reported in one ``note:`` line on stderr and ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +25,10 @@ import os
 import sys
 from typing import Sequence
 
+from .. import __version__
 from ..kinds import MECHANISM_NAMES
+from ._units import SIZE_FORMS, parse_size
+from .demos import AUTO
 
 __all__ = ["main", "build_parser"]
 
@@ -30,21 +43,17 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-#: Largest ``--size`` accepted (4 TiB): beyond any GPU or host memory, below every C integer limit.
-MAX_SIZE = 1 << 42
 #: Longest wait handed to subprocess and poll (about 11.6 days; poll takes an int of ms); longer ``--timeout`` values mean this.
 MAX_WAIT = 1e6
 
 
 def _size(text: str) -> int:
     try:
-        value = int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number of bytes") from None
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0 or value % 4:
-        raise argparse.ArgumentTypeError(f"invalid size {value}: must be a positive multiple of 4 bytes")
-    if value > MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"invalid size {value}: at most {MAX_SIZE} bytes (4 TiB)")
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be a positive multiple of 4 bytes")
     return value
 
 
@@ -68,6 +77,20 @@ def _device(text: str) -> int:
     return value
 
 
+class _Store(argparse.Action):
+    """Store the value and mark the option as given, so that one that does not apply can be named.
+
+    The mark is an attribute of its own (``given_<dest>``): argparse copies a
+    subcommand's namespace over the top-level one attribute by attribute, so a
+    shared set would lose the options given before the subcommand.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "given_" + self.dest, True)
+
+
 def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     """The run options. ``defaults=False`` for the ``run`` subcommand: argparse lets a
     subparser's defaults overwrite values parsed before it, so ``--size 8 run``
@@ -76,19 +99,41 @@ def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     def d(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    p.add_argument("--mechanism", choices=MECHANISM_NAMES, default=d("dmabuf"),
-                   help="how memory is shared (default: dmabuf, the CUDA sample's path)")
-    p.add_argument("--memory", choices=("host", "device"), default=d("host"),
+    p.add_argument("--mechanism", choices=(AUTO, *MECHANISM_NAMES), default=d(AUTO), action=_Store,
+                   help="how memory is shared (default: auto: the CUDA sample's dma-buf path, and where this "
+                        "machine cannot run it, the first of dmabuf (device memory), posix-fd, memfd that works)")
+    p.add_argument("--memory", choices=("host", "device"), default=d("host"), action=_Store,
                    help="dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc")
-    p.add_argument("--device", type=_device, default=d(0), help="CUDA ordinal for demos 1 and 2 (default 0)")
-    p.add_argument("--size", type=_size, default=d(16384), help="bytes to share, a multiple of 4 (default 16384)")
-    p.add_argument("--timeout", type=_timeout, default=d(60.0),
+    p.add_argument("--device", type=_device, default=d(0), action=_Store,
+                   help="CUDA ordinal for demos 1 and 2 (default 0)")
+    p.add_argument("--size", type=_size, default=d(16384), action=_Store,
+                   help=f"bytes to share, a multiple of 4 (default 16384): {SIZE_FORMS}")
+    p.add_argument("--timeout", type=_timeout, default=d(60.0), action=_Store,
                    help="seconds any wait on a peer process may take (default 60)")
+
+
+#: Run options that do not apply, by what runs.
+_NOT_APPLYING = {
+    "info": ("mechanism", "memory", "device", "size"),
+    "bench": ("mechanism", "memory", "device", "size"),
+    "posix-fd": ("memory",),
+    "memfd": ("memory", "device"),
+}
+
+
+def _note_ignored(args: argparse.Namespace) -> None:
+    """One ``note:`` line on stderr naming the given options that do not apply."""
+    what = args.command if args.command in ("info", "bench") else args.mechanism
+    ignored = [f"--{o}" for o in _NOT_APPLYING.get(what, ()) if getattr(args, "given_" + o, False)]
+    if ignored:
+        where = what if args.command in ("info", "bench") else f"--mechanism {what}"
+        _error(f"note: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to {where}; ignored")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Share CUDA buffers between contexts, processes and GPUs "
                                             "through Linux file descriptors (dma-buf, POSIX fd, memfd).")
+    parser.add_argument("-V", "--version", action="version", version=f"{PROG} {__version__}")
     _add_run_options(parser)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run the three demos (the default)")
@@ -138,7 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AttributeError, ValueError):
         pass
     args = build_parser().parse_args(argv)
+    _note_ignored(args)
     from ..errors import DmaBufError
+    from ..procs import make_children_waitable
+
+    make_children_waitable()  # an inherited SIGCHLD SIG_IGN would lose every child's exit status
 
     try:
         if args.command == "info":
@@ -155,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demos(DemoOptions(mechanism=args.mechanism, memory=args.memory, device=args.device,
                                      size=args.size, timeout=args.timeout))
     except BrokenPipeError:
-        _quiet_stdout()  # the reader went away (| head): stop quietly
-        return 1
+        _quiet_stdout()  # the reader went away (| head): stop quietly (exit status: module docstring)
+        return 0
     except DmaBufError as exc:
         _error(f"error: {exc}")
         return 1

@@ -10,8 +10,10 @@ memfd      :mod:`.memfd`              ``export_memfd`` / ``import_memfd``
 
 Each module also defines its :class:`~._base.Mechanism` (export, import,
 gate), so the demos, the benchmark and user code run the same steps over any
-of them. :func:`export_shareable` picks the first that works end to end here
-(decided by :mod:`.probes`), and :func:`import_shared` dispatches on the
+of them. :func:`choose` names the first in :data:`PREFERENCE` that works end
+to end here (decided by :mod:`.probes`, the probes ``dmabuf-interop info``
+shows) and why each before it was passed over; :func:`export_shareable`
+exports with it, and :func:`import_shared` dispatches on the
 received :class:`~dmabuf_interop.descriptor.ShareDescriptor`.
 """
 
@@ -23,7 +25,7 @@ from typing import Any, Mapping
 from ..buffers import ExportedBuffer, ImportedBuffer
 from ..descriptor import ShareDescriptor
 from ..errors import InvalidArgumentError, NotSupportedError
-from ..kinds import MECHANISM_NAMES, MechanismName, ProbeKey
+from ..kinds import MECHANISM_NAMES, MechanismName, MemoryKind, ProbeKey
 from ._base import Mechanism
 from .dmabuf import DmaBufMechanism
 from .memfd import MemfdMechanism
@@ -31,7 +33,7 @@ from .posix_fd import PosixFdMechanism
 from .probes import Probe, probe_device
 
 __all__ = ["Mechanism", "DmaBufMechanism", "PosixFdMechanism", "MemfdMechanism", "get_mechanism",
-           "export_shareable", "import_shared", "why_not", "NEEDS"]
+           "export_shareable", "import_shared", "why_not", "choose", "NEEDS", "PREFERENCE"]
 
 _REGISTRY: dict[str, type[Mechanism]] = {
     MechanismName.DMABUF: DmaBufMechanism,
@@ -45,6 +47,9 @@ NEEDS: dict[str, tuple[ProbeKey, ...]] = {
     MechanismName.POSIX_FD: (ProbeKey.POSIX_FD_EXPORT, ProbeKey.POSIX_FD_IMPORT),
     MechanismName.MEMFD: (),
 }
+
+#: The order :func:`choose` tries: dma-buf of device memory, CUDA POSIX-fd handles, host memfd (no GPU).
+PREFERENCE: tuple[str, ...] = (MechanismName.DMABUF, MechanismName.POSIX_FD, MechanismName.MEMFD)
 
 
 def get_mechanism(name: str, memory: str = "host") -> Mechanism:
@@ -65,15 +70,35 @@ def get_mechanism(name: str, memory: str = "host") -> Mechanism:
 _probe_cache: dict[tuple[int, int], dict[str, Probe]] = {}
 
 
-def why_not(name: str, device: int) -> str | None:
-    """Why ``name`` does not work end to end on ``device`` (``None``: it does), from the
-    probes, run once per process and device; e.g. ``"dmabuf: dmabuf import:
-    cuImportExternalMemory -> CUDA_ERROR_NOT_SUPPORTED"``."""
+def why_not(name: str, device: int, memory: str = "device") -> str | None:
+    """Why ``name`` does not work end to end on ``device`` (``None``: it does).
+
+    Decided by :func:`~.probes.probe_device` (a one-page export and import per
+    path), run once per process and device. ``memory="host"`` asks about the
+    CUDA sample's dma-buf of pinned host memory (``cuMemAllocHost``) instead of
+    device memory; it matters for ``dmabuf`` only.
+
+    Returns:
+        ``None``, or one line naming the mechanism, the failing probe, the driver call
+        and its ``CUresult``, e.g. ``"dmabuf: dmabuf import: cuImportExternalMemory ->
+        CUDA_ERROR_NOT_SUPPORTED"`` (H200, driver 580) or ``"dmabuf: device dmabuf export:
+        cuInit -> libcuda.so.1 not loadable"`` (no driver).
+
+    Raises:
+        InvalidArgumentError: an unknown mechanism name.
+    """
+    if name not in NEEDS:
+        raise InvalidArgumentError(f"unknown mechanism {name!r}; choose from {', '.join(MECHANISM_NAMES)}")
+    needs = NEEDS[name]
+    if not needs:
+        return None
+    if name == MechanismName.DMABUF and memory == MemoryKind.HOST:
+        needs = (ProbeKey.HOST_DMABUF_EXPORT, ProbeKey.DMABUF_IMPORT)
     key = (os.getpid(), device)
     if key not in _probe_cache:
         _probe_cache[key] = probe_device(device)
     probes = _probe_cache[key]
-    for need in NEEDS[name]:
+    for need in needs:
         p = probes[need]
         if p.status != "ok":
             return f"{name}: {need.replace('_', ' ')}: {p.call + ' -> ' if p.call else ''}{p.result or p.detail}"
@@ -95,14 +120,29 @@ def export_shareable(size: int, device: int = 0, prefer: tuple[str, ...] = ("dma
         NotSupportedError: no mechanism in ``prefer`` works; the message lists why.
         InvalidArgumentError: an unknown mechanism name.
     """
+    mech, reasons = choose(device, prefer)
+    exported = mech.export(size, device)
+    exported.fallback = "; ".join(reasons) or None
+    return exported
+
+
+def choose(device: int = 0, prefer: tuple[str, ...] = PREFERENCE) -> tuple[Mechanism, list[str]]:
+    """The first mechanism in ``prefer`` that works end to end on ``device``, and why each
+    earlier one was passed over (one :func:`why_not` line each, in order).
+
+    ``dmabuf`` is tried with device memory (``cuMemAlloc``); ``memfd`` needs no GPU
+    and always qualifies where ``memfd_create(2)`` exists. Probes run once per
+    process and device, so this initialises CUDA in the caller (fork first).
+
+    Raises:
+        NotSupportedError: no mechanism in ``prefer`` works; the message lists why.
+        InvalidArgumentError: an unknown mechanism name.
+    """
     reasons: list[str] = []
     for name in prefer:
-        mech = get_mechanism(name, "device")
-        why = why_not(name, device) if mech.uses_cuda else None
+        why = why_not(name, device)
         if why is None:
-            exported = mech.export(size, device)
-            exported.fallback = "; ".join(reasons) or None
-            return exported
+            return get_mechanism(name, MemoryKind.DEVICE), reasons
         reasons.append(why)
     raise NotSupportedError("no usable mechanism: " + "; ".join(reasons))
 
@@ -114,11 +154,16 @@ def import_shared(fd: int, descriptor: ShareDescriptor | Mapping[str, Any], devi
         fd: the received fd; not consumed.
         descriptor: a :class:`~dmabuf_interop.descriptor.ShareDescriptor`, or the JSON
             object received beside the fd (validated with ``ShareDescriptor.from_json``).
-        device: the importing CUDA ordinal (ignored for memfd).
+        device: the importing CUDA ordinal in this process (ignored for memfd). The exporter's
+            GPU is matched by ``device_uuid``, never by its ordinal (``exporter_device`` is the
+            exporter's own).
 
     Raises:
         ProtocolError: the descriptor is malformed; the message names the field.
-        NotSupportedError, CudaError, SyscallError: from the mechanism's importer.
+        NotSupportedError: the mechanism cannot import here (from its importer), or this process
+            cannot see the exporter's GPU (posix-fd: the message names its UUID and ``CUDA_VISIBLE_DEVICES``).
+        CudaError: a driver call of the import failed.
+        SyscallError: a syscall of the import failed (memfd).
     """
     desc = ShareDescriptor.from_json(descriptor)
     return get_mechanism(desc.mechanism, "device").import_(fd, desc, device)

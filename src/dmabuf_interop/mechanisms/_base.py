@@ -36,7 +36,8 @@ class Mechanism:
 
         Raises:
             NotSupportedError: the capability is absent here.
-            CudaError, SyscallError: the allocation or export failed.
+            CudaError: a driver call of the allocation or export failed.
+            SyscallError: a syscall of the allocation or export failed (memfd).
             InvalidArgumentError: a bad size or ordinal.
         """
         raise NotImplementedError
@@ -46,25 +47,38 @@ class Mechanism:
 
         Raises:
             NotSupportedError: this process or device cannot import it.
-            CudaError, SyscallError: the import failed.
+            CudaError: a driver call of the import failed.
+            SyscallError: a syscall of the import failed (memfd).
             InvalidArgumentError: the fd is not of this mechanism's kind.
         """
         raise NotImplementedError
 
     def write_pattern(self, exported: "ExportedBuffer") -> None:
-        """Write ``0x1000 + i`` (int32) over the buffer and finish before returning (safe to send the fd)."""
+        """Write ``0x1000 + i`` (int32) over the whole buffer and finish before returning (safe to send the fd).
+
+        Raises:
+            CudaError: compiling (NVRTC), launching or synchronising failed (CUDA mechanisms).
+        """
         from ..kernels import write_pattern
 
         write_pattern(exported.ptr, exported.size, exported.device)  # synchronises its stream
 
     def count_mismatches(self, imported: "ImportedBuffer") -> int:
-        """How many int32 elements of the import differ from ``0x1000 + i``."""
+        """How many of the ``size // 4`` int32 elements of the import differ from ``0x1000 + i`` (0: intact).
+
+        Raises:
+            CudaError: compiling (NVRTC), launching or the copy back failed (CUDA mechanisms).
+        """
         from ..kernels import count_mismatches
 
         return count_mismatches(imported.ptr, imported.size, imported.device)
 
     def gate(self, device: int) -> str | None:
-        """The capability attribute ``device`` lacks for this mechanism, or ``None`` when it may run."""
+        """The capability attribute ``device`` lacks for this mechanism, or ``None`` when it may run.
+
+        Reads :attr:`gate_attribute` with ``cuDeviceGetAttribute``; the name is returned
+        without its ``CU_DEVICE_ATTRIBUTE_`` prefix (e.g. ``"HOST_ALLOC_DMA_BUF_SUPPORTED"``).
+        """
         if self.gate_attribute is None:
             return None
         if capabilities.attribute(device, self.gate_attribute) != 1:
@@ -72,7 +86,12 @@ class Mechanism:
         return None
 
     def pair(self) -> tuple[int, int] | None:
-        """The cross-GPU ``(producer, consumer)`` pair, deterministic across processes."""
+        """The cross-GPU ``(producer, consumer)`` ordinals, or ``None`` where no pair qualifies.
+
+        The first device in ordinal order with the producer attribute, then the first
+        other one with the consumer attribute (and peer access where
+        :attr:`need_peer_access`): deterministic, so a forked child and its parent agree.
+        """
         if self.pair_attributes is None:
             return None
         producer, consumer = self.pair_attributes

@@ -51,6 +51,7 @@ from ..descriptor import ShareDescriptor
 from ..errors import AlignmentError, CudaError, CudaNotSupportedError, InvalidArgumentError, NotSupportedError
 from ..fd import OwnedFd
 from ..linux_dmabuf import DmaBuf, dmabuf_info
+from ..procs import host_mapping
 from ._base import Mechanism
 
 __all__ = ["export_host", "export_device", "export_range", "import_dmabuf", "pointer_and_size",
@@ -58,14 +59,11 @@ __all__ = ["export_host", "export_device", "export_range", "import_dmabuf", "poi
 
 
 
-def _dmabuf_for(ptr: int, size: int, device: int, attribute: str | None) -> DmaBuf:
-    """Export ``[ptr, ptr+size)``; explain a failure with the capability attribute
-    (``None``: decided from the pointer's memory type, only when the export failed)."""
+def _dmabuf_for(ptr: int, size: int, device: int, attribute: str) -> DmaBuf:
+    """Export ``[ptr, ptr+size)``; explain a failure with the capability ``attribute`` that governs it."""
     try:
         fd = driver.get_dmabuf_fd(ptr, size)
     except CudaError as exc:
-        if attribute is None:
-            attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED" if driver.pointer_is_host(ptr) else "DMA_BUF_SUPPORTED"
         try:
             supported = driver.device_attribute(device, attribute)
         except CudaError:
@@ -137,7 +135,8 @@ def export_device(size: int, device: int = 0) -> ExportedBuffer:
     Raises:
         NotSupportedError: ``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`` = 0 or the
             driver answered ``CUDA_ERROR_NOT_SUPPORTED``.
-        CudaError, InvalidArgumentError: as :func:`export_host`.
+        CudaError: as :func:`export_host`.
+        InvalidArgumentError: as :func:`export_host`.
     """
     return _export_allocation(size, device, "device", "DMA_BUF_SUPPORTED", driver.mem_alloc, driver.mem_free)
 
@@ -208,6 +207,74 @@ def _vmm_chunks_after(ptr: int, chunk_end: int, end: int) -> tuple[list[int], in
     return boundaries, chunk_end
 
 
+def _is_registered_host_memory(ptr: int) -> bool:
+    """Whether host memory at ``ptr`` was registered with ``cuMemHostRegister`` rather than
+    allocated by the driver (``cuMemAllocHost``/``cuMemHostAlloc``). The driver answers both
+    alike (``cuPointerGetAttributes``, ``cuMemHostGetFlags``); what differs is the mapping:
+    the driver allocates pinned memory as a shared anonymous mapping (``/dev/zero (deleted)``
+    in ``/proc/self/maps``) or a mapping of an ``/dev/nvidia*`` device, while registered memory
+    is the caller's own (heap, private anonymous, a file). Without ``/proc`` it answers False,
+    so the message falls back to the device attribute."""
+    mapping = host_mapping(ptr)
+    if mapping is None:
+        return False
+    perms, path = mapping
+    driver_made = perms[3:4] == "s" and (path == "/dev/zero (deleted)" or path.startswith("/dev/nvidia"))
+    return not driver_made
+
+
+def _classify(ptr: int) -> tuple[int, int, int, str, bool]:
+    """``(device, base, size, attribute, pool)`` of the memory at ``ptr`` from one
+    ``cuPointerGetAttributes`` call; ``attribute`` is the capability that governs its export and
+    ``pool`` says it is stream-ordered pool memory. Memory the driver will not export is refused
+    here, by kind. A CUDA VMM mapping (no context) takes its device from its allocation
+    (``cuMemRetainAllocationHandle``), the only case that costs more calls.
+
+    Raises:
+        CudaError: ``ptr`` is not memory CUDA knows. NotSupportedError: managed or host-registered memory.
+    """
+    try:
+        facts = driver.pointer_facts(ptr)
+    except CudaError as exc:
+        if exc.result != "CUDA_ERROR_INVALID_VALUE":
+            raise
+        facts = {"memory_type": 0}
+    if facts["memory_type"] == 0:
+        raise CudaError("cuPointerGetAttributes", "CUDA_ERROR_INVALID_VALUE", 1,
+                        f"0x{ptr:x} is not memory that CUDA knows: a host pointer CUDA did not allocate, "
+                        f"or memory already freed")
+    if facts["managed"]:
+        raise NotSupportedError(
+            f"0x{ptr:x} is managed memory (cuMemAllocManaged), which the driver does not export as a dma-buf: "
+            f"copy it into device memory (cuMemAlloc) and export that")
+    if facts["memory_type"] == driver.memory_type_host():
+        if _is_registered_host_memory(ptr):
+            raise NotSupportedError(
+                f"0x{ptr:x} is host memory registered with cuMemHostRegister, which the driver does not export "
+                f"as a dma-buf: copy it into device memory (cuMemAlloc), or allocate it with cuMemAllocHost "
+                f"where CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED is 1")
+        attribute = "HOST_ALLOC_DMA_BUF_SUPPORTED"
+    else:
+        attribute = "DMA_BUF_SUPPORTED"
+    device, start, size = facts["ordinal"], facts["range_start"], facts["range_size"]
+    if facts["context"] == 0 and not facts["mempool"]:  # a cuMemMap mapping belongs to no context
+        try:
+            handle = driver.vmm_retain_handle(ptr)
+        except CudaError:
+            pass
+        else:
+            try:
+                device = driver.vmm_allocation_device(handle)
+            finally:
+                driver.vmm_release(handle)
+            # The cuMemCreate chunk holding ptr, so that a range across chunks is walked chunk by chunk.
+            # cuMemGetAddressRange finds a mapping only from a context of the device that holds it
+            # (CUDA_ERROR_NOT_FOUND from another device's context).
+            driver.set_current(device)
+            start, size = driver.mem_address_range(ptr)
+    return device, start, size, attribute, bool(facts["mempool"])
+
+
 def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     """Export the page-aligned range that encloses a caller's bytes as a dma-buf.
 
@@ -215,8 +282,10 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     range is ``[round_down(ptr, page), round_up(ptr + size, page))``; the
     returned :attr:`~.ExportedBuffer.offset` is ``ptr - round_down(ptr, page)``,
     so an importer that maps at that offset reads exactly the caller's bytes.
-    The range must stay inside the allocation that holds ``ptr``
-    (``cuMemGetAddressRange``). The buffer keeps ``obj`` alive but does not
+    The pointer is classified first with one ``cuPointerGetAttributes`` call
+    (device, pinned host, managed, host-registered, stream-ordered pool, CUDA
+    VMM); the range must stay inside the allocation that holds ``ptr``
+    (its ``RANGE_START_ADDR`` and ``RANGE_SIZE``). The buffer keeps ``obj`` alive but does not
     own or free the memory.
 
     CUDA VMM ranges mapped from several separately created ``cuMemCreate``
@@ -233,6 +302,8 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     Raises:
         AlignmentError: the enclosing page-aligned range leaves the allocation;
             the message states the page size and the misalignment.
+        NotSupportedError: managed memory (``cuMemAllocManaged``) or host memory registered
+            with ``cuMemHostRegister``: the message names the kind and what does work.
         InvalidArgumentError: the range runs past its allocation, or through
             unmapped VMM addresses.
         NotSupportedError: the device cannot export this memory as a dma-buf,
@@ -242,16 +313,8 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     """
     ptr, nbytes, keep = pointer_and_size(obj, size)
     driver.init()
-    try:
-        device = driver.pointer_device_ordinal(ptr)
-    except CudaError as exc:
-        if exc.result != "CUDA_ERROR_INVALID_VALUE":
-            raise
-        raise CudaError(exc.call, exc.result, exc.code,
-                        f"0x{ptr:x} is not memory that CUDA knows: a host pointer CUDA did not allocate, "
-                        f"or memory already freed") from exc
+    device, base, alloc_size, attribute, pool = _classify(ptr)
     driver.set_current(device)
-    base, alloc_size = driver.mem_address_range(ptr)
     page = page_size()
     start = ptr // page * page
     end = _round_up(ptr + nbytes, page)
@@ -271,8 +334,13 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
             f"end by {(ptr + nbytes) % page} bytes)")
     crossing = ", ".join(f"0x{b:x}" for b in boundaries)
     try:
-        dmabuf = _dmabuf_for(start, end - start, device, None)
+        dmabuf = _dmabuf_for(start, end - start, device, attribute)
     except CudaError as exc:
+        if pool:
+            raise type(exc)(exc.call, exc.result, exc.code,
+                            f"0x{ptr:x} is stream-ordered pool memory (cuMemAllocAsync), which the driver did "
+                            f"not export as a dma-buf: copy it into device memory (cuMemAlloc), or share the "
+                            f"pool as a POSIX fd (cuMemPoolExportToShareableHandle)") from exc
         if not boundaries:
             raise
         raise type(exc)(exc.call, exc.result, exc.code,

@@ -6,7 +6,11 @@ The exporter creates an anonymous file with ``memfd_create(2)`` (close-on-exec,
 sealable), sizes it with ``ftruncate``, seals its size
 (``F_SEAL_SHRINK | F_SEAL_GROW``, so a peer cannot shrink it under a mapping
 and cause ``SIGBUS``) and maps it ``MAP_SHARED``. The importer checks the fd is a
-memfd and large enough (``fstat``) before mapping it.
+memfd and large enough (``fstat``) before mapping it. A memfd sealed against
+writing (``F_SEAL_WRITE``, ``F_SEAL_FUTURE_WRITE``, see
+:meth:`HostExportedBuffer.seal_read_only`) or an fd opened ``O_RDONLY`` is
+mapped read-only, and its ``as_array()`` refuses writes. Nothing here reads
+``/proc``: it works in a chroot or sandbox without it.
 
 Pattern writing and checking use NumPy over the mapping (the host-side twin of
 the CUDA kernels in :mod:`.kernels`).
@@ -24,19 +28,28 @@ from .._checks import byte_count, byte_offset
 from ..buffers import ExportedBuffer, ImportedBuffer, Transaction, array_shape
 from ..descriptor import ShareDescriptor
 from ..errors import InvalidArgumentError, SyscallError
-from ..fd import OwnedFd, fd_is_open, is_memfd
+from ..fd import OwnedFd, fd_kind
 from ._base import Mechanism
 
 __all__ = ["export_memfd", "import_memfd", "host_array", "write_pattern_host", "count_mismatches_host",
            "HostExportedBuffer", "HostImportedBuffer", "MemfdMechanism"]
 
 
+# Linux 5.1+; Python's fcntl module names it from 3.12 only.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
 class _Mapping:
     """Keeps an ``mmap`` and exposes its address without copying."""
 
-    def __init__(self, fd: int, length: int) -> None:
-        self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+    def __init__(self, fd: int, length: int, writable: bool = True) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+        self.writable = writable
+        # ctypes cannot take the address of a read-only buffer: ask NumPy, which can.
+        import numpy as np
+
+        self.address = np.frombuffer(self.map, dtype=np.uint8).__array_interface__["data"][0]
 
     def close(self) -> None:
         try:
@@ -78,6 +91,21 @@ class HostExportedBuffer(_HostView, ExportedBuffer):
         self._mapping = mapping
         self._view_offset = 0
 
+    def seal_read_only(self) -> None:
+        """Seal the memfd against writes by anyone who maps it from now on
+        (``fcntl(F_ADD_SEALS, F_SEAL_FUTURE_WRITE)``, Linux 5.1+): consumers that import it
+        afterwards get a read-only mapping. This buffer's own mapping stays writable; call it
+        once the contents are written, before sending.
+
+        Raises:
+            InvalidArgumentError: the buffer is closed.
+            SyscallError: ``fcntl(F_ADD_SEALS)`` failed (``EINVAL`` on kernels before 5.1).
+        """
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        except OSError as exc:
+            raise SyscallError("fcntl(F_ADD_SEALS, F_SEAL_FUTURE_WRITE)", exc) from exc
+
 
 class HostImportedBuffer(_HostView, ImportedBuffer):
     """An imported memfd: owns the importer's ``MAP_SHARED`` mapping of ``[offset, offset + size)``."""
@@ -86,6 +114,12 @@ class HostImportedBuffer(_HostView, ImportedBuffer):
         super().__init__(mechanism="memfd", ptr=mapping.address + offset, size=size, device=-1, cleanups=cleanups)
         self._mapping = mapping
         self._view_offset = offset
+
+    @property
+    def read_only(self) -> bool:
+        """True when the memfd was sealed against writing or the fd was opened ``O_RDONLY``:
+        the mapping is ``PROT_READ`` and ``as_array()`` refuses writes."""
+        return not self._mapping.writable
 
     def as_buffer(self) -> Any:
         raise InvalidArgumentError("host shared memory (memfd) is not CUDA memory: use as_array() for a NumPy view")
@@ -130,22 +164,31 @@ def export_memfd(size: int, name: str = "dmabuf-interop") -> HostExportedBuffer:
 def import_memfd(fd: int | OwnedFd, size: int, offset: int = 0) -> HostImportedBuffer:
     """Map ``[offset, offset+size)`` of a received memfd, ``MAP_SHARED``.
 
-    The fd is not consumed: the mapping stays valid after the caller closes it.
+    The mapping is read-only (``PROT_READ``, :attr:`HostImportedBuffer.read_only`) when the memfd
+    is sealed with ``F_SEAL_WRITE`` or ``F_SEAL_FUTURE_WRITE``, or the fd was opened ``O_RDONLY``
+    (``fcntl(F_GET_SEALS)``, ``fcntl(F_GETFL)``); writable otherwise. The fd is not consumed:
+    the mapping stays valid after the caller closes it.
 
     Raises:
-        InvalidArgumentError: not an open memfd, a memfd not sealed against
-            shrinking (``F_SEAL_SHRINK``), size <= 0, offset < 0, or the range
+        InvalidArgumentError: not an open memfd (``fstat``, ``fstatfs``), a memfd not sealed
+            against shrinking (``F_SEAL_SHRINK``), size <= 0, offset < 0, or the range
             exceeds the file's size (``fstat``).
-        SyscallError: ``mmap`` failed.
+        SyscallError: ``fcntl`` or ``mmap`` failed.
     """
     raw = fd.fd if isinstance(fd, OwnedFd) else fd
-    if not fd_is_open(raw):
+    kind = fd_kind(raw)
+    if kind == "closed":
         raise InvalidArgumentError(f"fd {raw!r} is not an open file descriptor")
-    if not is_memfd(raw):
-        raise InvalidArgumentError(f"fd {raw} is not a memfd: {os.readlink(f'/proc/self/fd/{raw}')!r}")
+    if kind != "memfd":
+        raise InvalidArgumentError(f"fd {raw} is not a memfd: it is a {kind}")
     size = byte_count(size)
     offset = byte_offset(offset)
-    if not fcntl.fcntl(raw, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+    try:
+        seals = fcntl.fcntl(raw, fcntl.F_GET_SEALS)
+        access = fcntl.fcntl(raw, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError as exc:
+        raise SyscallError("fcntl(F_GET_SEALS)", exc) from exc
+    if not seals & fcntl.F_SEAL_SHRINK:
         # Without the seal the sender could ftruncate() the file under our mapping,
         # and the next read would kill this process with SIGBUS.
         raise InvalidArgumentError(f"memfd fd {raw} is not sealed with F_SEAL_SHRINK: its sender could shrink "
@@ -153,8 +196,9 @@ def import_memfd(fd: int | OwnedFd, size: int, offset: int = 0) -> HostImportedB
     file_size = os.fstat(raw).st_size
     if offset + size > file_size:
         raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the memfd's {file_size} bytes")
+    writable = access != os.O_RDONLY and not seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)
     try:
-        mapping = _Mapping(raw, offset + size)
+        mapping = _Mapping(raw, offset + size, writable)
     except (OSError, OverflowError, ValueError) as exc:
         raise SyscallError("mmap", exc) from exc
     return HostImportedBuffer(mapping=mapping, offset=offset, size=size, cleanups=[mapping.close])

@@ -27,8 +27,7 @@ from .._checks import round_up as _round_up
 from ..buffers import ExportedBuffer, ImportedBuffer, Transaction
 from ..descriptor import ShareDescriptor
 from ..errors import InvalidArgumentError, NotSupportedError
-from ..fd import OwnedFd, fd_is_open, is_memfd
-from ..linux_dmabuf import is_dmabuf
+from ..fd import OwnedFd, fd_is_open, fd_kind
 from ._base import Mechanism
 
 __all__ = ["export_posix_fd", "import_posix_fd", "granularity", "PosixFdMechanism"]
@@ -47,25 +46,10 @@ def _not_a_handle(fd: int) -> str | None:
     (H200, driver 580). Its handles are character-device or anonymous-inode
     files, never FIFOs, sockets or regular files.
     """
-    import os
-    import stat
-
-    try:
-        mode = os.fstat(fd).st_mode
-        link = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    if stat.S_ISFIFO(mode):
-        return "a pipe"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if is_dmabuf(fd):
-        return "a dma-buf (import it with import_dmabuf)"
-    if is_memfd(fd):
-        return "a memfd (map it with import_memfd)"
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISBLK(mode):
-        return f"a file ({link!r})"
-    return None
+    kind = fd_kind(fd)
+    return {"pipe": "a pipe", "socket": "a socket", "dma-buf": "a dma-buf (import it with import_dmabuf)",
+            "memfd": "a memfd (map it with import_memfd)", "file": "a file", "directory": "a directory",
+            "block device": "a block device"}.get(kind)
 
 
 def granularity(device: int = 0) -> int:
@@ -112,7 +96,7 @@ def export_posix_fd(size: int, device: int = 0) -> ExportedBuffer:
 
 
 def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int = 0,
-                    export_size: int | None = None) -> ImportedBuffer:
+                    export_size: int | None = None, *, device_uuid: str | None = None) -> ImportedBuffer:
     """Import a POSIX-fd shareable handle and map it on ``device``.
 
     Args:
@@ -122,6 +106,8 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         offset: where the caller's bytes start in the allocation.
         export_size: the exporter's allocation size; default
             ``round_up(offset + size, granularity)``.
+        device_uuid: the exporter's GPU UUID (``ShareDescriptor.device_uuid``); when given, a GPU
+            this process cannot see is refused before the driver is asked.
 
     Returns:
         ImportedBuffer(mechanism="posix-fd") with ``ptr`` = mapping base + offset.
@@ -131,7 +117,8 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
             (pipe, socket, dma-buf, memfd, file), size <= 0, offset < 0, a bad
             ordinal, or ``offset + size`` beyond ``export_size``.
         NotSupportedError: the importing device cannot reach the memory's device
-            (no peer access), or the driver refuses the handle type.
+            (no peer access), this process cannot see the exporter's GPU (the message names
+            its UUID and ``CUDA_VISIBLE_DEVICES``), or the driver refuses the handle type.
         CudaError: any other driver failure (e.g. the fd is not a CUDA handle:
             ``CUDA_ERROR_INVALID_VALUE``).
     """
@@ -148,10 +135,14 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         if offset + size > export_size:  # known before the driver is asked
             raise InvalidArgumentError(f"offset {offset} + size {size} exceeds the allocation's {export_size} bytes")
     driver.set_current(device)
+    if device_uuid and driver.ordinal_for_uuid(device_uuid) is None:
+        raise NotSupportedError(driver.invisible_gpu_text(device_uuid))
     with Transaction() as tx:
         handle = driver.vmm_import_posix_fd(raw)
         tx.push(driver.vmm_release, handle)
         owner = driver.vmm_allocation_device(handle)
+        if not 0 <= owner < driver.device_count():  # the driver's location for a GPU it hides from us
+            raise NotSupportedError(driver.invisible_gpu_text(device_uuid or "holding this memory"))
         if owner != device and not driver.can_access_peer(device, owner):
             raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
                                     f"device {owner}")
@@ -178,4 +169,5 @@ class PosixFdMechanism(Mechanism):
         return export_posix_fd(size, device)
 
     def import_(self, fd: int, descriptor: ShareDescriptor, device: int) -> ImportedBuffer:
-        return import_posix_fd(fd, descriptor.size, device, descriptor.offset, descriptor.export_size)
+        return import_posix_fd(fd, descriptor.size, device, descriptor.offset, descriptor.export_size,
+                               device_uuid=descriptor.device_uuid or None)

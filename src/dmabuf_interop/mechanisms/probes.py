@@ -74,7 +74,15 @@ def probe_device(ordinal: int, peer: int | None = None) -> dict[str, Probe]:
     ``posix_fd_import`` and, when ``peer`` is given, ``posix_fd_import_peer``
     (memory on ``ordinal`` mapped on ``peer``). Runs in this process; use
     ``dmabuf-interop info`` (which runs it in a child with a timeout) to
-    protect a caller from a crashing driver.
+    protect a caller from a crashing driver. Each probe uses one page
+    (``page_size()`` bytes) and frees it before returning.
+
+    Returns:
+        a dict from those keys (:class:`~dmabuf_interop.kinds.ProbeKey` values) to
+        :class:`Probe`: ``status`` ``"ok"``, ``"unsupported"`` (the driver refused:
+        ``call`` and ``result`` name the call and its ``CUresult``; without a driver
+        ``cuInit``) or ``"unknown"`` (could not be tried; ``detail`` says why).
+        A refusal or a missing driver is an answer kept in the dict, never raised.
     """
     page = page_size()
     out: dict[str, Probe] = {

@@ -1,7 +1,231 @@
-"""``dmabuf-interop bench``: sharing mechanisms measured against what users use today."""
+"""``dmabuf-interop bench``: what it costs to hand a buffer from one process to another.
+
+For each mechanism (:mod:`.catalog`) and size the parent (:mod:`.runner`)
+starts a producer and a consumer (:mod:`.peers`); both create their CUDA
+context and load their kernels (:mod:`.reader`) before anything is timed,
+then hand a buffer over ``--warmup`` + ``--reps`` times (:mod:`.protocol`).
+With a GPU, a last pair measures read bandwidth through a POSIX-fd import
+(:mod:`.bandwidth`) and the library's Python overhead (:mod:`.overhead`).
+:mod:`.report` prints the table and the targets, and writes ``--json`` and
+``--plot``; output paths are checked before anything is measured.
+
+Exit status: 0 when the benchmark ran (mechanisms that are not installed or
+not supported are reported, not failures), 1 when a mechanism failed, 2 for a
+usage error (one line on stderr).
+"""
 
 from __future__ import annotations
 
-from .runner import add_arguments, main
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import sys
+import time
+from typing import Any, Callable
 
-__all__ = ["add_arguments", "main"]
+from .._units import parse_size
+from .catalog import CUDA_FREE, MECHANISMS
+from .report import JSON_SCHEMA, size_label
+
+__all__ = ["add_arguments", "main", "parse_sizes", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = (4 << 10, 1 << 20, 64 << 20, 1 << 30)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"4K,1M,64M,1G"`` -> byte counts, duplicates dropped (each entry as :func:`~.._units.parse_size`).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty list, an entry :func:`~.._units.parse_size`
+            refuses, or a size that is not a multiple of 4 bytes (the read kernel reads 32-bit words).
+    """
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            n = parse_size(part)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if n <= 0 or n % 4:
+            raise argparse.ArgumentTypeError(f"invalid size {part.strip()!r}: must be a positive multiple of 4 bytes")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def _mechanisms(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(MECHANISMS)
+    bad = [n for n in names if n not in MECHANISMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown mechanism {', '.join(bad) or text!r}: choose from "
+                                         f"{', '.join(MECHANISMS)} (comma-separated) or all")
+    return list(dict.fromkeys(names))
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"invalid count {value}: must be >= {minimum}")
+        return value
+    return parse
+
+
+def _devices(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*([0-9]+)\s*,\s*([0-9]+)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid --devices {text!r}: expected PRODUCER,CONSUMER ordinals, e.g. 0,1")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: expected seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: must be a positive number of seconds")
+    return value
+
+
+def output_path(text: str) -> str:
+    """An output file that can be written: its folder exists and is writable, the path is no folder.
+
+    Checked when the options are parsed, so a typo costs nothing, not a finished run.
+
+    Raises:
+        argparse.ArgumentTypeError: the folder is missing or unwritable, or the path is a folder.
+    """
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
+
+
+def _plot_path(text: str) -> str:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib, which is not installed "
+                                         "(pip install 'dmabuf-interop[bench]')")
+    return output_path(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    p.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
+                   help="comma-separated buffer sizes: bytes, 0x hex or K/M/G binary units, multiples of 4 "
+                        "(default 4K,1M,64M,1G)")
+    p.add_argument("--reps", type=_count(1), default=20, help="timed repetitions per size (default 20)")
+    p.add_argument("--warmup", type=_count(0), default=3, help="untimed repetitions first (default 3)")
+    p.add_argument("--mechanisms", type=_mechanisms, default=list(MECHANISMS),
+                   help=f"comma-separated, default all: {','.join(MECHANISMS)}")
+    p.add_argument("--devices", type=_devices, default=(0, 0), metavar="P,C",
+                   help="CUDA ordinals of the producer and the consumer (default 0,0)")
+    p.add_argument("--json", type=output_path, metavar="PATH",
+                   help="write every number and the environment as JSON")
+    p.add_argument("--plot", type=_plot_path, metavar="PATH.png",
+                   help="log-log plot of median hand-off latency vs size "
+                        "(needs matplotlib: pip install 'dmabuf-interop[bench]')")
+    p.add_argument("--timeout", type=_seconds, default=300.0,
+                   help="seconds to wait for the next record from a benchmark process; a record comes after all "
+                        "repetitions of one size, so allow for --reps (default 300)")
+    from .weight_sync import add_arguments as add_workload_arguments
+
+    add_workload_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "workload", None):
+        from .weight_sync import main as workload_main
+
+        return workload_main(args)
+    from . import report
+    from .environment import environment, installed
+    from .progress import Progress
+    from .runner import run_pair
+
+    sizes: list[int] = args.sizes
+    names: list[str] = args.mechanisms
+    producer, consumer = args.devices
+    env = environment()
+    cuda_ok = env["cuda"]["available"]
+    ndev = len(env["gpus"])
+    if cuda_ok and any(n not in CUDA_FREE for n in names) and (producer >= ndev or consumer >= ndev):
+        print(f"dmabuf-interop: error: --devices {producer},{consumer} out of range: this machine has "
+              f"{ndev} CUDA device(s)", file=sys.stderr)
+        return 2
+    cfg = {"sizes": sizes, "reps": args.reps, "warmup": args.warmup, "devices": [producer, consumer],
+           "timeout": args.timeout}
+    results: dict[str, Any] = {
+        "schema": JSON_SCHEMA,
+        "command": "dmabuf-interop " + shlex.join(sys.argv[1:]),
+        "argv": list(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": env,
+        "config": {**cfg, "mechanisms": names, "size_labels": [size_label(s) for s in sizes]},
+        "mechanisms": {},
+        "plot": None,
+    }
+    runnable = [n for n in names if installed(MECHANISMS[n][1]) and (cuda_ok or n in CUDA_FREE)]
+    progress = Progress(len(runnable) * len(sizes))
+    progress.say(f"{len(names)} mechanism(s), sizes {','.join(size_label(s) for s in sizes)}, {args.reps} reps "
+                 f"after {args.warmup} warm-ups" + (f", producer GPU {producer}, consumer GPU {consumer}"
+                                                    if cuda_ok else ""))
+    failed = False
+    try:
+        for i, name in enumerate(names, 1):
+            kind, module, what = MECHANISMS[name]
+            entry: dict[str, Any] = {"kind": kind, "description": what, "cells": []}
+            if not installed(module):
+                entry.update(status="not installed", reason=f"{module} is not installed")
+                progress.say(f"[{i}/{len(names)}] {name}: not installed ({module})")
+            elif name not in runnable:
+                entry.update(status="skipped", reason=env["cuda"]["reason"])
+                progress.say(f"[{i}/{len(names)}] {name}: skipped: {env['cuda']['reason']}")
+            else:
+                progress.say(f"[{i}/{len(names)}] {name}: starting producer and consumer")
+                t = time.monotonic()
+                res = run_pair(name, cfg, progress)
+                entry.update(status=res["status"], reason=res["reason"], cells=res["cells"],
+                             versions=res["versions"], seconds=round(time.monotonic() - t, 1))
+                if name not in CUDA_FREE:
+                    entry["devices"] = {"producer": producer, "consumer": consumer}
+                imports = sorted({c["import"] for c in res["cells"] if "import" in c})
+                if imports:
+                    entry["import"] = "; ".join(imports)
+                failed = failed or res["status"] == "error"
+            results["mechanisms"][name] = entry
+        if cuda_ok and ("posix-fd" in names or "posix-fd-cached" in names):
+            progress.say("bandwidth and Python overhead: starting producer and consumer")
+            res = run_pair("_bandwidth", cfg, progress)
+            results["bandwidth"] = {"status": res["status"], "reason": res["reason"], "sizes": res["bandwidth"],
+                                    "kernel": "read_all: grid-stride 16-byte loads, XOR-reduced, "
+                                              "timed with CUDA events; GB/s = 1e9 bytes/s"}
+            results["python_overhead"] = res["overhead"]
+            failed = failed or res["status"] == "error"
+        else:
+            why = "no CUDA driver" if not cuda_ok else "measured with posix-fd or posix-fd-cached in --mechanisms"
+            results["bandwidth"] = {"status": "skipped", "reason": why, "sizes": []}
+            results["python_overhead"] = None
+    finally:
+        progress.close()
+    results["targets"] = report.targets(results)
+    report.print_table(results)
+    if args.plot:
+        why = report.plot(results, args.plot)
+        results["plot"] = {"path": None, "skipped": why} if why else {"path": args.plot}
+        progress.say(f"plot skipped: {why}" if why else f"wrote {args.plot}")
+    if args.json:
+        report.write_json(results, args.json)
+        progress.say(f"wrote {args.json}")
+    return 1 if failed else 0

@@ -1,0 +1,40 @@
+"""The one parser of byte sizes on the command line (``--size``, ``bench --sizes``).
+
+Accepted forms, and only these: a decimal number (``4096``), a ``0x`` hex
+number (``0x1000``), or a decimal number with a binary suffix, ``K``/``M``/``G``/``T``
+optionally followed by ``iB`` or ``B``, case-insensitive (``4K``, ``4KiB``,
+``1M``, ``2G``: powers of 1024). Refused: signs, ``_`` separators, ``0o``/``0b``
+prefixes, fractions, exponents, whitespace inside, anything above :data:`MAX_SIZE`.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MAX_SIZE", "SIZE_FORMS", "parse_size"]
+
+#: Largest size accepted, 4 TiB: beyond any GPU or host memory, below every C integer limit.
+MAX_SIZE = 1 << 42
+
+#: The forms, as ``--help`` states them.
+SIZE_FORMS = "bytes as 4096, 0x1000, or with a binary suffix: 4K, 4KiB, 1M, 2G (at most 4T)"
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_FORM = re.compile(r"(?:0x([0-9a-f]+)|([0-9]+)([kmgt]?)(?:i?b)?)", re.IGNORECASE | re.ASCII)
+
+
+def parse_size(text: str) -> int:
+    """Bytes named by ``text`` (forms in the module docstring); 0 is returned as 0,
+    callers that need more check it.
+
+    Raises:
+        ValueError: a form not documented, or more than :data:`MAX_SIZE` bytes;
+            the message quotes ``text``.
+    """
+    m = _FORM.fullmatch(text)
+    if m is None or (m.group(2) is not None and not m.group(3) and m.group(0) != m.group(2)):
+        raise ValueError(f"invalid size {text!r}: expected {SIZE_FORMS}")
+    value = int(m.group(1), 16) if m.group(1) is not None else int(m.group(2)) * _SUFFIX[m.group(3).lower()]
+    if value > MAX_SIZE:
+        raise ValueError(f"invalid size {text!r}: at most {MAX_SIZE} bytes (4 TiB)")
+    return value

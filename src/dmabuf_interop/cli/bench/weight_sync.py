@@ -1,0 +1,595 @@
+"""``dmabuf-interop bench --workload ws-8b|ws-moe``: push a whole model from a trainer to an engine, every step.
+
+A trainer and an engine (fresh interpreters started with :mod:`subprocess`;
+CUDA does not survive ``fork()``) are connected by a channel
+(:mod:`dmabuf_interop.channel`). The trainer's parameters live in a
+:class:`~dmabuf_interop.channel.SharedPool`. Each step the trainer adds 1 to
+every parameter (viewed as int16: the new version), computes a checksum per
+tensor (the int64 sum of a strided sample of at most :data:`SAMPLE` elements)
+into a pool array that travels in the same batch, and sends the whole state dict
+as ONE ``send_many``. Variants:
+
+=========  =================================================================
+hand-off   the engine reads the trainer's tensors in place under the lease and
+           holds version k until it gives its weights back for step k+1
+copy       the engine copies every tensor into its own parameters on its stream
+           (which waits on the producer's event), then releases
+=========  =================================================================
+
+Timed per step: trainer's ``send_many`` starts -> the engine holds every tensor
+of the new version (hand-off: torch tensors / NumPy arrays over the blocks;
+copy: copies complete), from ``CLOCK_MONOTONIC`` stamps in both processes. The
+checksum check runs after the timed span, every step.
+
+Peers, measured in the same run (GPU only; torch): ``torch-reductions``
+(``torch.multiprocessing.reductions.reduce_tensor`` per tensor, pickled handles
+over a socket, rebuilt in the engine, ack) and ``ipc-buckets`` (512 MiB
+flattened buckets, a CUDA IPC handle opened and closed per bucket every step,
+ack then synchronise). The limit: one device-to-device copy of the whole
+payload, and the peer copy to the other GPU (``cudaMemcpyPeer`` through torch).
+
+``--host`` runs the same workload over host pools (memfd, NumPy, uint16 for
+bf16), the CPU version; ``--small`` uses a few-MB model of the same layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import select
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch
+
+__all__ = ["WORKLOADS", "model_shapes", "payload_bytes", "add_arguments", "main"]
+
+#: Name of the checksum array inside each batch.
+SUMS = "__checksums__"
+
+# Public config numbers (Qwen3-8B, Qwen3-30B-A3B); "small" keeps the layout at a few MB.
+WORKLOADS: dict[str, dict[str, int]] = {
+    "ws-8b": dict(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936,
+                  experts=0, expert_intermediate=0),
+    "ws-moe": dict(hidden=2048, intermediate=0, layers=48, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                   experts=128, expert_intermediate=768),
+}
+SMALL: dict[str, dict[str, int]] = {
+    "ws-8b": dict(hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=1024,
+                  experts=0, expert_intermediate=0),
+    "ws-moe": dict(hidden=128, intermediate=0, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=512,
+                   experts=8, expert_intermediate=64),
+}
+#: Per-step targets in ms for the hand-off (p50 and p99).
+HANDOFF_TARGET_MS = {"ws-8b": 5.0, "ws-moe": 100.0}
+COPY_TARGET_RATIO = 1.25
+PEER_TARGET_RATIO = 10.0
+
+
+def model_shapes(workload: str, small: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, in state-dict order; bf16 (2 bytes per element).
+
+    ws-8b: 399 tensors, 16.38e9 bytes; ws-moe: 18,867 tensors, 61.1e9 bytes (untied embedding and
+    lm_head, q/k norm weights, a router per MoE layer).
+    """
+    c = (SMALL if small else WORKLOADS)[workload]
+    h, d = c["hidden"], c["head_dim"]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab"], h))]
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (c["heads"] * d, h)),
+                (p + "self_attn.k_proj.weight", (c["kv_heads"] * d, h)),
+                (p + "self_attn.v_proj.weight", (c["kv_heads"] * d, h)),
+                (p + "self_attn.o_proj.weight", (h, c["heads"] * d)),
+                (p + "self_attn.q_norm.weight", (d,)),
+                (p + "self_attn.k_norm.weight", (d,))]
+        if c["experts"]:
+            ei = c["expert_intermediate"]
+            out.append((p + "mlp.gate.weight", (c["experts"], h)))
+            for e in range(c["experts"]):
+                q = f"{p}mlp.experts.{e}."
+                out += [(q + "gate_proj.weight", (ei, h)), (q + "up_proj.weight", (ei, h)),
+                        (q + "down_proj.weight", (h, ei))]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (c["intermediate"], h)),
+                    (p + "mlp.up_proj.weight", (c["intermediate"], h)),
+                    (p + "mlp.down_proj.weight", (h, c["intermediate"]))]
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab"], h))]
+    return out
+
+
+def payload_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the bf16 payload."""
+    return sum(2 * math.prod(s) for _, s in shapes)
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --- child processes ---------------------------------------------------------------------
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
+    from ...channel import SharedPool, listen
+
+    host = cfg["host"]
+    be: Any = _Numpy() if host else _Torch(cfg["devices"][0])
+    shapes = [(n, tuple(s)) for n, s in cfg["shapes"]]
+    total = payload_bytes(shapes) + 8 * len(shapes) + 256 * (len(shapes) + 1)
+    in_pool = not cfg.get("expandable")
+    max_bytes = total + (1 << 30 if not in_pool else 0)  # the expandable variant copies into the pool
+    pool = SharedPool(None if host else cfg["devices"][0], chunk_bytes=min(cfg["chunk_bytes"], max_bytes),
+                      max_bytes=max_bytes + cfg["chunk_bytes"])
+    params = [be.from_pool(pool if in_pool else None, s) for _, s in shapes]
+    sums = pool.empty((len(shapes),), "int64")
+    sums = sums if host else be.torch.from_dlpack(sums)
+    be.fill(params)
+    state = {n: p for (n, _), p in zip(shapes, params)}
+    state[SUMS] = sums
+    send_ms: list[float] = []
+    mem: dict[str, Any] = {}
+    with pool, listen(cfg["address"], pool=pool) as listener:
+        _emit({"ready": True})
+        ch = listener.accept(timeout=cfg["timeout"])
+        lease = None
+        cpu0 = 0.0
+        try:
+            for variant, k, timed in _steps(cfg):
+                if k == cfg["warmup"]:
+                    mem.setdefault(variant, {"free_before": be.memory(), "fds_before": _fd_count()})
+                    cpu0 = time.process_time()
+                if lease is not None:
+                    lease.wait(cfg["timeout"])  # the engine gave version k back
+                be.bump(params)
+                be.checksums(params, sums)
+                t0 = time.monotonic_ns()
+                lease = ch.send_many(state, stream=None if host else be.stream,
+                                     meta={"step": k, "variant": variant, "t0": t0}, timeout=cfg["timeout"])
+                if timed:
+                    send_ms.append((time.monotonic_ns() - t0) / 1e6)
+                if k == cfg["warmup"] + cfg["reps"] - 1:
+                    lease.wait(cfg["timeout"])
+                    mem[variant].update(free_after=be.memory(), fds_after=_fd_count(),
+                                        cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"], 3))
+                    lease = None
+        finally:
+            ch.close()
+    return {"send_ms": send_ms, "memory": mem, "in_place": in_pool}
+
+
+def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
+    from ...channel import connect
+
+    host = cfg["host"]
+    be: Any = _Numpy() if host else _Torch(cfg["devices"][1])
+    shapes = [(n, tuple(s)) for n, s in cfg["shapes"]]
+    own = be.empty_like_shapes(shapes) if "copy" in cfg["variants"] else {}
+    out: dict[str, Any] = {"sync_ms": {v: [] for v in cfg["variants"]}, "memory": {}, "bad_checksums": 0}
+    with connect(cfg["address"], timeout=cfg["timeout"], device=None if host else cfg["devices"][1]) as ch:
+        cpu0 = 0.0
+        for variant, k, timed in _steps(cfg):
+            if k == cfg["warmup"]:
+                out["memory"][variant] = {"free_before": be.memory(), "fds_before": _fd_count()}
+                cpu0 = time.process_time()
+            batch = ch.recv_many(timeout=cfg["timeout"], stream=None if host else be.stream)
+            meta = next(iter(batch.values())).meta or {}
+            if meta.get("step") != k or meta.get("variant") != variant:
+                raise RuntimeError(f"expected step {k} of {variant}, got {meta}")
+            sums_r = batch.pop(SUMS)
+            sums = be.view(sums_r)
+            if variant == "copy":
+                for name, r in batch.items():
+                    be.copy(own[name], be.view(r))
+                for r in batch.values():
+                    r.release()  # synchronises the recv stream: the copies are done
+                t1 = time.monotonic_ns()
+                views = None
+                held = [own[n] for n, _ in shapes]
+            else:
+                views = {name: be.view(r) for name, r in batch.items()}
+                t1 = time.monotonic_ns()
+                held = [views[n] for n, _ in shapes]
+            if timed:
+                out["sync_ms"][variant].append((t1 - meta["t0"]) / 1e6)
+            if not be.equal_sums(held, sums):  # the "rollout": read version k
+                out["bad_checksums"] += 1
+            held = sums = views = None  # drop the views, then give version k back
+            for r in [*batch.values(), sums_r]:
+                r.release()
+            if k == cfg["warmup"] + cfg["reps"] - 1:
+                out["memory"][variant].update(free_after=be.memory(), fds_after=_fd_count(),
+                                              cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"],
+                                                                    3))
+    return out
+
+
+#: Largest buffer the copy limit copies at once; a larger payload's time is scaled from it.
+LIMIT_BYTES = 16 << 30
+
+
+def _limit(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One copy of the payload: device to device on the trainer's GPU, and to the engine's GPU."""
+    total = cfg["payload_bytes"]
+    n = min(total, LIMIT_BYTES)
+    reps = max(cfg["reps"], 5)
+    if cfg["host"]:
+        import numpy as np
+
+        src, dst = np.ones(n, np.uint8), np.empty(n, np.uint8)
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            times.append((time.perf_counter() - t) * 1e3 * total / n)
+        return {"copy_ms": times[1:], "bytes": n}
+    import torch
+
+    p, c = cfg["devices"]
+    src = torch.ones(n, dtype=torch.uint8, device=p)
+    out: dict[str, Any] = {"bytes": n}
+    for key, dev in (("copy_ms", p), ("peer_ms", c)):
+        if key == "peer_ms" and c == p:
+            continue
+        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        times = []
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)  # cudaMemcpyAsync; across GPUs a peer copy (NVLink)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * total / n)
+        out[key] = times[1:]
+        del dst
+    return out
+
+
+def _child(argv: list[str]) -> int:
+    role, cfg_path = argv[0], argv[1]
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    try:
+        if role in ("peer-trainer", "peer-engine"):
+            from .weight_sync_peers import run_peer
+
+            res = run_peer(role, cfg, int(argv[2]))
+        else:
+            res = {"trainer": _trainer, "engine": _engine, "limit": _limit}[role](cfg)
+    except ImportError as exc:
+        _emit({"status": "not installed", "reason": str(exc)})
+        return 1
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        _emit({"status": "error", "reason": f"{role}: {type(exc).__name__}: {exc}"})
+        return 1
+    _emit({"status": "ok", "result": res})
+    return 0
+
+
+# --- the parent: spawn, collect, report ------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The weight-sync options of ``bench`` (it also uses ``--reps``, ``--warmup``, ``--devices``, ``--json``,
+    ``--plot`` and ``--timeout``)."""
+    p.add_argument("--workload", choices=tuple(WORKLOADS),
+                   help="weight sync: push a whole Qwen3-8B-shaped (ws-8b) or Qwen3-30B-A3B-shaped (ws-moe) "
+                        "bf16 state dict from a trainer to an engine every step; --devices P,C with C != P "
+                        "adds the other-GPU placement")
+    p.add_argument("--small", action="store_true", help="with --workload: a few-MB model of the same layout")
+    p.add_argument("--host", action="store_true", help="with --workload: host pools (memfd, NumPy), no GPU")
+
+
+def _spawn(role: str, cfg_path: str, extra: list[int] = (), env: dict[str, str] | None = None
+           ) -> subprocess.Popen[str]:
+    from .runner import _child_env
+
+    cmd = [sys.executable, "-m", "dmabuf_interop.cli.bench.weight_sync", role, cfg_path, *map(str, extra)]
+    return subprocess.Popen(cmd, pass_fds=tuple(extra), env={**_child_env(), **(env or {})},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+
+
+def _line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The child's next JSON line; a child that ends or stays silent past ``timeout`` is an error."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    text = proc.stdout.readline() if ready else ""
+    if not text:
+        return {"status": "error", "reason": "exited without reporting (see its stderr)" if ready
+                else f"no report within {timeout:g} s (--timeout)"}
+    return json.loads(text)
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float, results: list[dict[str, Any]]) -> None:
+    from ...procs import wait_child
+
+    for proc, res in zip(procs, results):
+        if res.get("status") != "ok":  # a peer that failed leaves the other waiting: end it
+            for other in procs:
+                if other.poll() is None:
+                    other.kill()
+    for proc in procs:
+        ended = wait_child(proc.pid, min(timeout, 60.0))
+        proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _merge(results: list[dict[str, Any]]) -> tuple[str, str | None]:
+    bad = [r for r in results if r.get("status") != "ok"]
+    if not bad:
+        return "ok", None
+    return bad[0]["status"], "; ".join(r["reason"] for r in bad)
+
+
+def _run_ours(cfg: dict[str, Any], tmp: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    path = os.path.join(tmp, f"cfg-{time.monotonic_ns()}.json")
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    trainer = _spawn("trainer", path, env=env)
+    procs, results = [trainer], []
+    try:
+        ready = _line(trainer, cfg["timeout"])
+        if not ready.get("ready"):
+            results = [ready]
+            return {"status": ready["status"], "reason": ready["reason"]}
+        engine = _spawn("engine", path)
+        procs.append(engine)
+        results = [_line(engine, cfg["timeout"] * 4), _line(trainer, cfg["timeout"] * 4)]
+    finally:
+        _finish(procs, cfg["timeout"], results or [{"status": "error"}])
+    status, reason = _merge(results)
+    if status != "ok":
+        return {"status": status, "reason": reason}
+    eng, tr = results[0]["result"], results[1]["result"]
+    return {"status": "ok", "reason": None, "engine": eng, "trainer": tr}
+
+
+def _run_peer(name: str, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
+    import socket
+
+    path = os.path.join(tmp, f"cfg-{name}.json")
+    with open(path, "w") as fh:
+        json.dump({**cfg, "peer": name, "variants": [name]}, fh)
+    a, b = socket.socketpair()
+    try:
+        procs = [_spawn("peer-trainer", path, [a.fileno()]), _spawn("peer-engine", path, [b.fileno()])]
+    finally:
+        a.close()
+        b.close()
+    results: list[dict[str, Any]] = []
+    try:
+        results = [_line(p, cfg["timeout"] * 4) for p in reversed(procs)]
+    finally:
+        _finish(list(reversed(procs)), cfg["timeout"], results or [{"status": "error"}])
+    status, reason = _merge(results)
+    if status != "ok":
+        return {"status": status, "reason": reason}
+    return {"status": "ok", "reason": None, "engine": results[0]["result"], "trainer": results[1]["result"]}
+
+
+def _run_limit(cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
+    path = os.path.join(tmp, "cfg-limit.json")
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    proc = _spawn("limit", path)
+    res: dict[str, Any] = {}
+    try:
+        res = _line(proc, cfg["timeout"])
+    finally:
+        _finish([proc], cfg["timeout"], [res])
+    return res
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    from .runner import percentile
+
+    if not values:
+        return None
+    return {"p50": round(percentile(values, 50), 3), "p99": round(percentile(values, 99), 3), "n": len(values)}
+
+
+def _row(name: str, kind: str, values: list[float] | None, **extra: Any) -> dict[str, Any]:
+    return {"path": name, "kind": kind, "ms": _stats(values or []), **extra}
+
+
+def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str, Any]:
+    """Every path for one placement: ours (hand-off, copy, expandable segments), the peers, the limit."""
+    rows: list[dict[str, Any]] = []
+    say(f"placement {label}: trainer GPU/engine GPU {cfg['devices']}" if not cfg["host"] else "host pools")
+    ours = _run_ours(cfg, tmp)
+    for v in cfg["variants"]:
+        if ours["status"] != "ok":
+            rows.append(_row(v, "ours", None, status=ours["status"], reason=ours["reason"]))
+            continue
+        eng, tr = ours["engine"], ours["trainer"]
+        rows.append(_row(v, "ours", eng["sync_ms"][v], status="ok", bad_checksums=eng["bad_checksums"],
+                         trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
+                         send_ms=_stats(tr["send_ms"])))
+    if not cfg["host"]:
+        exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True}, tmp,
+                        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        note = ("the channel shares in place only memory of a SharedPool; torch's expandable segments are not "
+                "exported, so send_many copied every tensor into the pool (cuMemcpyAsync) first")
+        rows.append(_row("expandable-segments", "ours",
+                         exp["engine"]["sync_ms"]["hand-off"] if exp["status"] == "ok" else None,
+                         status=exp["status"], reason=exp["reason"] or note, in_place=False))
+        for peer in ("torch-reductions", "ipc-buckets"):
+            say(f"placement {label}: peer {peer}")
+            res = _run_peer(peer, cfg, tmp)
+            rows.append(_row(peer, "peer", res["engine"]["sync_ms"] if res["status"] == "ok" else None,
+                             status=res["status"], reason=res["reason"],
+                             bad_checksums=res["engine"]["bad_checksums"] if res["status"] == "ok" else None,
+                             trainer={"cpu_ms_per_step": res["trainer"]["cpu_ms_per_step"]}
+                             if res["status"] == "ok" else None,
+                             engine={"cpu_ms_per_step": res["engine"]["cpu_ms_per_step"]}
+                             if res["status"] == "ok" else None))
+    lim = _run_limit(cfg, tmp)
+    limit = lim.get("result") or {}
+    key = "peer_ms" if cfg["devices"][0] != cfg["devices"][1] else "copy_ms"
+    rows.append(_row("copy-limit", "limit", limit.get(key), status=lim.get("status"), reason=lim.get("reason"),
+                     what="cudaMemcpyPeer to the other GPU" if key == "peer_ms" else
+                     ("numpy.copyto" if cfg["host"] else "device-to-device cudaMemcpy"),
+                     measured_bytes=limit.get("bytes")))
+    return {"placement": label, "devices": cfg["devices"], "rows": rows}
+
+
+def _p50(rows: list[dict[str, Any]], name: str) -> float | None:
+    r = next((r for r in rows if r["path"] == name), None)
+    return r["ms"]["p50"] if r and r["ms"] else None
+
+
+def targets(workload: str, placements: list[dict[str, Any]], host: bool) -> list[dict[str, Any]]:
+    """One verdict per target and placement (``met`` is ``None`` where a number is missing or on host pools)."""
+    out = []
+    for pl in placements:
+        rows, label = pl["rows"], pl["placement"]
+        h = next((r for r in rows if r["path"] == "hand-off"), None)
+        lim, cp = _p50(rows, "copy-limit"), _p50(rows, "copy")
+        peers = [p for p in (_p50(rows, "torch-reductions"), _p50(rows, "ipc-buckets")) if p is not None]
+        goal = HANDOFF_TARGET_MS[workload]
+        hm = h["ms"] if h and h["ms"] else None
+        checks = [
+            (f"hand-off p50 and p99 <= {goal:g} ms", hm and max(hm["p50"], hm["p99"]) <= goal,
+             hm and f"p50 {hm['p50']} ms, p99 {hm['p99']} ms"),
+            (f"copy <= {COPY_TARGET_RATIO}x the copy limit", cp is not None and lim and cp <= COPY_TARGET_RATIO * lim,
+             cp is not None and lim and f"{cp / lim:.2f}x"),
+            (f"hand-off >= {PEER_TARGET_RATIO:g}x faster than the best peer",
+             hm and peers and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
+             hm and peers and f"{min(peers) / max(hm['p50'], 1e-9):.1f}x"),
+        ]
+        growth = []
+        for r in rows:
+            for side in ("trainer", "engine"):
+                m = r.get(side) or {}
+                if m.get("fds_after") is not None:
+                    growth.append(m["fds_after"] - m["fds_before"])
+                if m.get("free_after") is not None:
+                    growth.append(m["free_before"] - m["free_after"])
+        checks.append(("zero growth (free device memory, fds) over the timed steps",
+                       bool(growth) and all(g <= 0 for g in growth), f"max {max(growth) if growth else '-'}"))
+        for text, met, value in checks:
+            out.append({"placement": label, "target": text, "met": None if host or value in (None, False)
+                        else bool(met), "value": value or None})
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
+
+
+def print_table(results: dict[str, Any], file: Any = None) -> None:
+    file = file or sys.stdout
+    cfg = results["config"]
+    print(f"{cfg['workload']}{' (small)' if cfg['small'] else ''}: {cfg['tensors']} tensors, "
+          f"{cfg['payload_bytes'] / 1e9:.3f} GB bf16, {cfg['reps']} steps after {cfg['warmup']} warm-up(s)",
+          file=file)
+    print(f"{'placement':<10} {'path':<20} {'kind':<6} {'p50 ms':>9} {'p99 ms':>9} {'x limit':>8} "
+          f"{'cpu ms/step T/E':>16}  notes", file=file)
+    for pl in results["placements"]:
+        lim = _p50(pl["rows"], "copy-limit")
+        for r in pl["rows"]:
+            ms = r["ms"] or {}
+            ratio = f"{ms['p50'] / lim:.2f}" if ms and lim else "-"
+            cpu = "/".join(_fmt((r.get(s) or {}).get("cpu_ms_per_step")) for s in ("trainer", "engine"))
+            note = r.get("reason") or r.get("what") or ""
+            if r.get("bad_checksums"):
+                note = f"{r['bad_checksums']} BAD CHECKSUMS " + note
+            if r.get("status") not in ("ok", None):
+                note = f"{r['status']}: {note}"
+            print(f"{pl['placement']:<10} {r['path']:<20} {r['kind']:<6} {_fmt(ms.get('p50')):>9} "
+                  f"{_fmt(ms.get('p99')):>9} {ratio:>8} {cpu if cpu != '-/-' else '-':>16}  {note}", file=file)
+    print("targets:", file=file)
+    for t in results["targets"]:
+        verdict = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        print(f"  [{t['placement']}] {t['target']}: {verdict} ({t['value'] or 'no number'})", file=file)
+
+
+def plot(results: dict[str, Any], path: str) -> str | None:
+    """A bar chart of p50 per path and placement; returns why it was skipped, or ``None``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'dmabuf-interop[plot]')"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, values = [], []
+    for pl in results["placements"]:
+        for r in pl["rows"]:
+            if r["ms"]:
+                labels.append(f"{pl['placement']}: {r['path']}")
+                values.append(r["ms"]["p50"])
+    ax.barh(labels, values)
+    ax.set_xscale("log")
+    ax.set_xlabel("p50 ms per step (trainer sends -> engine holds the new version)")
+    ax.set_title(results["config"]["workload"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the weight-sync workload described by the parsed ``bench`` options; returns the exit status."""
+    from .environment import environment
+    from .progress import Progress
+
+    _say = Progress(0).say
+    env = environment()
+    host = bool(args.host)
+    p, c = args.devices
+    if not host and not env["cuda"]["available"]:
+        _say(f"weight sync on GPUs skipped: {env['cuda']['reason']} (--host runs it over host pools)")
+        return 0
+    if not host and max(p, c) >= len(env["gpus"]):
+        print(f"dmabuf-interop: error: --devices {p},{c} out of range: this machine has {len(env['gpus'])} CUDA "
+              f"device(s)", file=sys.stderr)
+        return 2
+    shapes = model_shapes(args.workload, args.small)
+    total = payload_bytes(shapes)
+    base = {"workload": args.workload, "small": args.small, "host": host, "shapes": shapes, "reps": args.reps,
+            "warmup": args.warmup, "timeout": args.timeout, "payload_bytes": total,
+            "variants": ["hand-off", "copy"], "chunk_bytes": 2 << 30 if not args.small else 16 << 20}
+    plan = [("host", [-1, -1])] if host else [("A", [p, p])] + ([("B", [p, c])] if c != p else [])
+    results: dict[str, Any] = {
+        "schema": 1, "command": "dmabuf-interop " + shlex.join(sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": env,
+        "config": {k: v for k, v in base.items() if k != "shapes"} | {"tensors": len(shapes)},
+        "placements": [], "plot": None,
+    }
+    _say(f"{args.workload}: {len(shapes)} tensors, {total / 1e9:.3f} GB, {args.reps} steps after {args.warmup} "
+         f"warm-up(s)")
+    with tempfile.TemporaryDirectory(prefix="dmabuf-interop-ws-") as tmp:
+        for label, devices in plan:
+            cfg = {**base, "devices": devices, "address": os.path.join(tmp, f"ws-{label}.sock")}
+            results["placements"].append(_placement(label, cfg, tmp, _say))
+    results["targets"] = targets(args.workload, results["placements"], host)
+    print_table(results)
+    if args.plot:
+        why = plot(results, args.plot)
+        results["plot"] = {"path": None, "skipped": why} if why else {"path": args.plot}
+        _say(f"plot skipped: {why}" if why else f"wrote {args.plot}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+            fh.write("\n")
+        _say(f"wrote {args.json}")
+    failed = any(r.get("status") == "error" or r.get("bad_checksums") for pl in results["placements"]
+                 for r in pl["rows"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,52 @@
+"""What a user gets from ``pip install .``: NVRTC, type information, licence files; the tests run ``src/``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import dmabuf_interop
+from dmabuf_interop import kernels
+from dmabuf_interop.errors import CudaNotSupportedError
+
+ROOT = Path(__file__).resolve().parents[2]
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+
+def test_the_tests_import_the_source_tree_not_an_installed_copy():
+    assert Path(dmabuf_interop.__file__).resolve().is_relative_to(ROOT / "src"), dmabuf_interop.__file__
+
+
+def test_nvrtc_is_a_dependency_and_named_where_it_is_missing():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert kernels.NVRTC_PACKAGE in deps
+    try:
+        kernels.require_nvrtc()
+    except CudaNotSupportedError as exc:
+        assert kernels.NVRTC_PACKAGE in str(exc) and "\n" not in str(exc)
+    # else: NVRTC loads here, as it does after `pip install .`
+
+
+def test_package_metadata_and_files():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
+    assert "Typing :: Typed" in project["classifiers"] and (ROOT / "src/dmabuf_interop/py.typed").exists()
+    assert project["urls"] and "matplotlib>=3.5" in project["optional-dependencies"]["bench"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    notice = (ROOT / "NOTICE").read_text()
+    assert "NVIDIA" in notice and "BSD-3-Clause" in notice
+
+
+def test_changelog_names_the_current_version_and_the_renamed_imports():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(rf"^## {re.escape(dmabuf_interop.__version__)}\b", text, re.M)
+    for old in ("dmabuf_interop.driver", "dmabuf_interop.vmm", "dmabuf_interop.exporter", "TimeoutError"):
+        assert old in text
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/info.md", "CHANGELOG.md", "NOTICE"])
+def test_docs_speak_of_the_product_alone(doc):
+    text = (ROOT / doc).read_text()
+    assert not re.search(r"\b(issue|session|ticket)s? ?\d*\b", text, re.I), doc
