@@ -14,12 +14,10 @@ from dmabuf_interop.channel import connect, listen
 from dmabuf_interop.channel.auth import authenticate_connector, authenticate_listener, load_secret
 from dmabuf_interop.channel.remote import ucx_read_transports
 from dmabuf_interop.errors import InvalidArgumentError, NotSupportedError, PeerRefusedError
-from tests.helpers.remote import TOKEN, nixl_missing, peer_env, result, start, start_producer
-
-needs_nixl = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+from tests.helpers.remote import TOKEN, peer_env, result, start, start_producer
 
 
-@needs_nixl
+@pytest.mark.nixl
 def test_thousand_mixed_arrays_verified_and_nothing_leaked() -> None:
     producer, addr = start_producer("producer", "1000", "host")
     consumer = start("consumer", addr, "1000", "host")
@@ -32,7 +30,7 @@ def test_thousand_mixed_arrays_verified_and_nothing_leaked() -> None:
     assert got["fds_leaked"] == sent["fds_leaked"] == 0
 
 
-@needs_nixl
+@pytest.mark.nixl
 def test_wrong_token_is_refused_on_both_sides() -> None:
     producer, addr = start_producer("producer", "1", "host")
     consumer = start("consumer", addr, "1", "host", env=peer_env(token="not-the-shared-secret"))
@@ -42,7 +40,7 @@ def test_wrong_token_is_refused_on_both_sides() -> None:
     assert producer.returncode != 0 and "PeerRefusedError" in err and "wrong shared secret" in err
 
 
-@needs_nixl
+@pytest.mark.nixl
 def test_consumer_killed_releases_its_leases_within_a_second() -> None:
     producer, addr = start_producer("producer-watch", "8")
     consumer = start("consumer-hold", addr, "1")
@@ -57,7 +55,7 @@ def test_consumer_killed_releases_its_leases_within_a_second() -> None:
     assert report["registered"] == 0  # the channel's end deregistered its chunks
 
 
-@needs_nixl
+@pytest.mark.nixl
 def test_producer_killed_fails_the_read_and_keeps_what_was_received() -> None:
     producer, addr = start_producer("producer-stream")
     consumer = start("consumer-survive", addr, "5")

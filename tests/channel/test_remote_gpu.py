@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dmabuf_interop.channel.remote import ucx_read_transports
-from tests.helpers.remote import nixl_missing, peer_env, result, start, start_producer
+from tests.helpers.remote import peer_env, result, start, start_producer
 
-pytestmark = [pytest.mark.gpu(count=2),
-              pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))]
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.nixl]
 
 
 @pytest.mark.parametrize("tls", ["cuda_copy,tcp", "cuda_copy,cuda_ipc,tcp"])
