@@ -20,6 +20,7 @@ import socket
 from typing import Any
 
 from ..errors import InvalidArgumentError, PeerRefusedError, ProtocolError
+from .handshake import refuse
 from .wire import recv_frame, send_frame
 
 __all__ = ["TOKEN_ENV", "load_secret", "authenticate_listener", "authenticate_connector"]
@@ -87,13 +88,6 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _refuse(sock: socket.socket, reason: str) -> None:
-    try:
-        send_frame(sock, {"kind": "refuse", "reason": reason})
-    except OSError:
-        pass
-
-
 def authenticate_listener(sock: socket.socket, secret: bytes, timeout: float | None) -> None:
     """Listener side: send a nonce, check the connector's proof, then prove ourselves.
 
@@ -108,7 +102,7 @@ def authenticate_listener(sock: socket.socket, secret: bytes, timeout: float | N
     theirs = _field(msg, "auth", {"kind", "nonce", "mac"}, "nonce", _NONCE_BYTES)
     mac = _field(msg, "auth", {"kind", "nonce", "mac"}, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(mac, _mac(secret, 0, mine, theirs)):
-        _refuse(sock, "authentication failed: wrong shared secret")
+        refuse(sock, "authentication failed: wrong shared secret")
         raise PeerRefusedError("refused a connection: wrong shared secret")
     send_frame(sock, {"kind": "proof", "mac": _b64(_mac(secret, 1, mine, theirs))})
 
@@ -127,5 +121,5 @@ def authenticate_connector(sock: socket.socket, secret: bytes, timeout: float | 
     msg, _ = recv_frame(sock, timeout)
     mac = _field(msg, "proof", {"kind", "mac"}, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(mac, _mac(secret, 1, theirs, mine)):
-        _refuse(sock, "authentication failed: the listener's proof is wrong")
+        refuse(sock, "authentication failed: the listener's proof is wrong")
         raise PeerRefusedError("the listener does not hold the shared secret")

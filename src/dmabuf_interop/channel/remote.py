@@ -31,12 +31,13 @@ import types
 import urllib.parse
 from typing import Any
 
-from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, ProtocolError, SyscallError,
-                      TransferError, WaitTimeoutError)
+from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError, ProtocolError,
+                      SyscallError, TransferError, WaitTimeoutError)
 from .auth import authenticate_connector, authenticate_listener, load_secret
 from .channel import MAX_CHUNKS, Channel, PeerInfo, Received
+from .handshake import hello, recv_hello, refuse
 from .pool import Block, SharedPool
-from .protocol import PROTOCOL_VERSION, ArrayDescriptor
+from .protocol import PROTOCOL_VERSION, ArrayDescriptor, visible_gpu_uuids
 from .wire import recv_frame, send_frame
 
 __all__ = ["RemoteChannel", "RemoteListener", "listen_remote", "connect_remote", "is_remote", "nixl_module",
@@ -438,33 +439,22 @@ class RemoteChannel(Channel):
         self._peer_address = f"tcp://{host}:{port}"
 
 
-def _tcp_hello() -> dict[str, Any]:
-    from .protocol import visible_gpu_uuids
-    from .rendezvous import _hello
-
-    return _hello(None, visible_gpu_uuids())
-
-
 def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listener: bool, pool: SharedPool | None,
                device: int | None, xfer_timeout: float) -> RemoteChannel:
     """Authenticate, exchange hello and NIXL metadata; the listener speaks first at each step."""
-    from .rendezvous import _recv_hello, _refuse
-
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def left() -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     (authenticate_listener if listener else authenticate_connector)(sock, secret, left())
-    mine = _tcp_hello()
+    mine = hello(None, visible_gpu_uuids())
     if listener:
         send_frame(sock, mine)
-    theirs = _recv_hello(sock, left())
-    if theirs["protocol"] != PROTOCOL_VERSION:
+    theirs = recv_hello(sock, left())
+    if theirs["protocol"] != PROTOCOL_VERSION:  # the boot ids differ by design: no fd crosses
         why = f"protocol version mismatch: this side speaks {PROTOCOL_VERSION}, the peer {theirs['protocol']}"
-        _refuse(sock, why)
-        from ..errors import PeerRefusedError
-
+        refuse(sock, why)
         raise PeerRefusedError(why)
     if not listener:
         send_frame(sock, mine)
@@ -481,8 +471,6 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
             close_fds(fds)
             raise ProtocolError("the handshake carried an fd")
         if msg.get("kind") == "refuse":
-            from ..errors import PeerRefusedError
-
             raise PeerRefusedError(f"the peer refused this connection: {str(msg.get('reason'))[:512]}")
         if msg.get("kind") != "nixl":
             raise ProtocolError(f"expected a nixl message, got {msg.get('kind')!r}")

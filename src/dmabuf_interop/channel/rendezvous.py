@@ -21,21 +21,17 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError, SyscallError
+from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError
 from .channel import Channel, PeerInfo
+from .handshake import hello, recv_hello, refuse
 from .pool import SharedPool
-from .protocol import PROTOCOL_VERSION, host_boot_id, parse_message, visible_gpu_uuids
-from .wire import recv_frame, send_frame
+from .protocol import visible_gpu_uuids
+from .wire import send_frame
 
 __all__ = ["listen", "connect", "Listener"]
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
-
-def _library_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
@@ -75,13 +71,6 @@ def _allowed(uid: int, gid: int, allow_uids: Iterable[int] | None, allow_gids: I
     return uid in uids or (allow_gids is not None and gid in set(allow_gids))
 
 
-def _hello(overrides: dict[str, Any] | None, gpus: list[str]) -> dict[str, Any]:
-    msg = {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": _library_version(),
-           "boot_id": host_boot_id(), "gpus": gpus, "pid": os.getpid()}
-    if overrides:
-        msg.update(overrides)
-    return msg
-
 
 def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why ``theirs`` is unacceptable, or ``None``."""
@@ -94,27 +83,6 @@ def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     return None
 
 
-def _refuse(sock: socket.socket, reason: str) -> None:
-    try:
-        send_frame(sock, {"kind": "refuse", "reason": reason})
-    except (PeerClosedError, OSError):
-        pass
-    sock.close()
-
-
-def _recv_hello(sock: socket.socket, timeout: float | None) -> dict[str, Any]:
-    msg, fds = recv_frame(sock, timeout)
-    if fds:
-        from ..fdpass import close_fds
-
-        close_fds(fds)
-        raise ProtocolError("the handshake carried an fd")
-    kind, _ = parse_message(msg)
-    if kind == "refuse":
-        raise PeerRefusedError(f"the peer refused this connection: {msg['reason']}")
-    if kind != "hello":
-        raise ProtocolError(f"expected a hello message, got {kind!r}")
-    return msg
 
 
 def _unlink_if_ours(path: str, ino: tuple[int, int]) -> None:
@@ -189,15 +157,15 @@ class Listener:
                 reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
                           f"allowed uids {sorted(self._allow_uids) if self._allow_uids is not None else [os.geteuid()]}"
                           f", gids {sorted(self._allow_gids) if self._allow_gids else []}")
-                _refuse(conn, reason)
+                refuse(conn, reason)
                 raise PeerRefusedError(f"refused a connection: {reason}")
-            mine = _hello(self._hello_overrides, visible_gpu_uuids())
+            mine = hello(self._hello_overrides, visible_gpu_uuids())
             send_frame(conn, mine)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            theirs = _recv_hello(conn, remaining)
+            theirs = recv_hello(conn, remaining)
             why = _check_hello(mine, theirs)
             if why is not None:
-                _refuse(conn, why)
+                refuse(conn, why)
                 raise PeerRefusedError(f"refused a connection: {why}")
         except BaseException:
             conn.close()
@@ -356,15 +324,15 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             raise SyscallError("connect", exc) from exc
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
-        theirs = _recv_hello(sock, timeout)
+        theirs = recv_hello(sock, timeout)
         if not _allowed(uid, gid, allow_uids, allow_gids):
             why = f"the listener on {address!r} runs as uid {uid} (gid {gid}, pid {pid}), which is not allowed"
-            _refuse(sock, why)
+            refuse(sock, why)
             raise PeerRefusedError(why)
-        mine = _hello(hello_overrides, visible_gpu_uuids(initialise=device is not None))
+        mine = hello(hello_overrides, visible_gpu_uuids(initialise=device is not None))
         why = _check_hello(mine, theirs)
         if why is not None:
-            _refuse(sock, why)
+            refuse(sock, why)
             raise PeerRefusedError(why)
         send_frame(sock, mine)
     except BaseException:
