@@ -31,6 +31,17 @@ def test_thousand_mixed_arrays_verified_and_nothing_leaked() -> None:
 
 
 @pytest.mark.nixl
+def test_recv_into_callers_arrays() -> None:
+    producer, addr = start_producer("producer", "50", "host")
+    consumer = start("consumer-into", addr, "50")
+    got, sent = result(consumer), result(producer)
+    assert got["refused"] == 1 and got["good"] == 49  # a wrong shape is refused, and its lease still released
+    assert sent["reasons"] == ["released"]
+    assert got["registered"] == sent["registered"] == 0
+    assert got["fds_leaked"] == sent["fds_leaked"] == 0
+
+
+@pytest.mark.nixl
 def test_wrong_token_is_refused_on_both_sides() -> None:
     producer, addr = start_producer("producer", "1", "host")
     consumer = start("consumer", addr, "1", "host", env=peer_env(token="not-the-shared-secret"))

@@ -3,6 +3,7 @@
     python -m tests.helpers.remote_peer producer ADDR N DEVICE   lend N mixed arrays, wait for every lease
     python -m tests.helpers.remote_peer consumer ADDR N DEVICE   receive N arrays, verify each against its sha256
     python -m tests.helpers.remote_peer producer-stream ADDR     lend arrays until killed
+    python -m tests.helpers.remote_peer consumer-into ADDR N       recv_into the caller's arrays (the first of a wrong shape)
     python -m tests.helpers.remote_peer consumer-survive ADDR K  hold K arrays, read on until the producer goes
     python -m tests.helpers.remote_peer consumer-hold ADDR K     hold K arrays, then wait to be killed
     python -m tests.helpers.remote_peer producer-watch ADDR K    lend K arrays, report when the consumer's leases end
@@ -145,6 +146,28 @@ def main() -> int:
         del ch, pool, r, a
         gc.collect()
         print(json.dumps({"good": good, "n": n, "transport": transport, "registered": registered,
+                          "fds_leaked": open_fds() - fds0}), flush=True)
+        return 0
+    if mode == "consumer-into":
+        from dmabuf_interop.errors import InvalidArgumentError
+
+        n = int(sys.argv[3])
+        ch = connect(addr, timeout=60)
+        good = refused = 0
+        for i in range(n):
+            want = make_array(i)
+            out = np.empty(want.shape + (2,) if i == 0 else want.shape, want.dtype)
+            try:
+                meta = ch.recv_into(out, 60)
+            except InvalidArgumentError:
+                refused += 1
+                continue
+            good += meta == {"i": i, "sha256": digest(want)} and digest(out) == digest(want)
+        ch.close()
+        registered = len(ch._agent.registered)
+        del ch
+        gc.collect()
+        print(json.dumps({"good": good, "refused": refused, "n": n, "registered": registered,
                           "fds_leaked": open_fds() - fds0}), flush=True)
         return 0
     if mode in ("consumer-survive", "consumer-hold"):

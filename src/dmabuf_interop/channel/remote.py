@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import logging
 import os
 import re
 import secrets
@@ -57,7 +59,8 @@ def is_remote(address: Any) -> bool:
 
 
 def nixl_module() -> Any:
-    """The NIXL Python API module (``nixl_cu13``, ``nixl_cu12`` or ``nixl``).
+    """The NIXL Python API module (``nixl_cu13``, ``nixl_cu12`` or ``nixl``); its ``nixl`` logger is set to
+    ``WARNING`` unless ``$NIXL_LOG_LEVEL`` says otherwise.
 
     Raises:
         NotSupportedError: NIXL is not installed (the message names the extra to install).
@@ -67,9 +70,13 @@ def nixl_module() -> Any:
     errors = []
     for name in ("nixl_cu13", "nixl_cu12", "nixl._api"):
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
+            continue
+        if "NIXL_LOG_LEVEL" not in os.environ:  # NIXL logs each agent at INFO on standard output, the caller's
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
     raise NotSupportedError(f"tcp:// channels need NIXL, which is not importable ({'; '.join(errors)}): "
                             f"{NIXL_EXTRA}")
 
@@ -359,17 +366,71 @@ class RemoteChannel(Channel):
             for b in blocks:
                 pool._unref(b)
             raise
-        with self._state:
-            self._held.pop(lease_id, None)
-            if not (self._eof or self._closed):
-                self._pending.append(lease_id)
-        self._flush()
+        self._consumed(lease_id)
         out = []
         for d, block in zip(descs, blocks):
             local = ArrayDescriptor(block.chunk.id, 0, block.size, 0, d.shape, d.strides, d.dtype,
                                     "none" if pool.is_host else "sync", None, d.name, d.meta)
             out.append(Received(self, lease_id, local, _LocalBlock(block), 0))
         return out
+
+    def _consumed(self, lease_id: int) -> None:
+        """The READ of the producer's lease is over: release it now."""
+        with self._state:
+            self._held.pop(lease_id, None)
+            if not (self._eof or self._closed):
+                self._pending.append(lease_id)
+        self._flush()
+
+    def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
+        """Read the next array straight into ``out`` with one NIXL ``READ``, then release the producer's lease.
+
+        ``out`` is the caller's C-contiguous array of the sent array's shape and dtype: host
+        memory (NumPy, or anything with ``__array_interface__``) or device memory (DLPack or
+        ``__cuda_array_interface__``). It is registered with NIXL (``"DRAM"`` / ``"VRAM"``) for
+        this READ only, so :meth:`recv` into this side's pool is faster for repeated reads.
+
+        Returns:
+            The sender's ``meta`` (``None`` when it gave none).
+
+        Raises:
+            InvalidArgumentError: ``out`` differs in shape or dtype, or either array is not
+                C-contiguous (the array is dropped and its lease released).
+            WaitTimeoutError: nothing within ``timeout``, or the READ not done within :attr:`xfer_timeout`.
+            PeerClosedError: the producer has gone (before or during the READ).
+            TransferError: NIXL could not register ``out`` or read.
+            ProtocolError: as :meth:`recv`; the next message is a batch: use :meth:`recv_many`.
+        """
+        from .channel import _inspect
+
+        _, lease_id, descs, _ = self._next(timeout, want_batch=False)
+        d = descs[0]
+        try:
+            dst = _inspect(out)
+            if tuple(dst.shape) != d.shape or dst.dtype != d.dtype:
+                raise InvalidArgumentError(f"out is {dst.dtype}{list(dst.shape)}, the array sent is "
+                                           f"{d.dtype}{list(d.shape)}")
+            if not (d.is_c_contiguous() and dataclasses.replace(d, strides=tuple(dst.strides)).is_c_contiguous()):
+                raise InvalidArgumentError("recv_into needs C-contiguous arrays on both sides; recv() reads any layout")
+            region = self._imports.get(d.chunk)
+            if not isinstance(region, _Region):
+                raise PeerClosedError(f"region {d.chunk} was retired before its array was read")
+            if d.nbytes:
+                mem, dev = ("DRAM", 0) if dst.device < 0 else ("VRAM", dst.device)
+                with self._xfer_lock:
+                    reg = self._agent.call("register_memory", [(dst.ptr, d.nbytes, dev, "")], mem)
+                    try:
+                        self._read([(dst.ptr, d.nbytes, dev)], mem,
+                                   [(region.addr + d.block_offset + d.byte_offset, d.nbytes, region.device)],
+                                   region.mem)
+                    finally:
+                        try:
+                            self._agent.call("deregister_memory", reg)
+                        except (TransferError, PeerClosedError):
+                            pass  # the channel ended meanwhile: its agent is gone with the registration
+        finally:
+            self._consumed(lease_id)
+        return d.meta
 
     def _read(self, local: list[tuple[int, int, int]], local_mem: str, remote: list[tuple[int, int, int]],
               remote_mem: str) -> None:
