@@ -28,8 +28,9 @@ def peer_env(tls: str = "tcp", token: str = TOKEN, **extra: str) -> dict[str, st
     ``UCX_NET_DEVICES`` filters network transports only; ``cuda_copy`` and ``cuda_ipc`` are not among them.
     """
     env = dict(os.environ)
+    path = [str(ROOT / "src"), str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update(UCX_TLS=tls, UCX_NET_DEVICES="lo", DMABUF_INTEROP_TOKEN=token, NIXL_LOG_LEVEL="WARN",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+               PYTHONPATH=os.pathsep.join(path))  # the caller's entries too: NIXL may be installed there
     env.update(extra)
     return env
 
