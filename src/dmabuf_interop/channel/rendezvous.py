@@ -33,7 +33,6 @@ __all__ = ["listen", "connect", "Listener"]
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
     """(address for bind/connect, is_abstract)."""
     address = os.fspath(address)
@@ -71,7 +70,6 @@ def _allowed(uid: int, gid: int, allow_uids: Iterable[int] | None, allow_gids: I
     return uid in uids or (allow_gids is not None and gid in set(allow_gids))
 
 
-
 def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why ``theirs`` is unacceptable, or ``None``."""
     if theirs["protocol"] != mine["protocol"]:
@@ -81,8 +79,6 @@ def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
         return (f"peer is on another host (boot id {theirs['boot_id']!r}, ours {mine['boot_id']!r}): "
                 f"fds and shared memory cannot cross hosts")
     return None
-
-
 
 
 def _unlink_if_ours(path: str, ino: tuple[int, int]) -> None:
