@@ -6,6 +6,10 @@ CUDA does not survive fork()). A skip says ``no GPU here`` or ``GPU here, but
 package missing`` (or the driver problem). With ``--require-gpu`` or
 ``DMABUF_INTEROP_REQUIRE_GPU=1`` every such skip is a failure instead, so a GPU
 run that tested nothing is not green.
+
+The ``nixl`` marker does the same for tests of ``tcp://`` channels where NIXL is
+not installed; ``--require-nixl`` or ``DMABUF_INTEROP_REQUIRE_NIXL=1`` (CI sets
+it) makes such a skip a failure.
 """
 
 from __future__ import annotations
@@ -15,21 +19,33 @@ import os
 import pytest
 
 from tests.helpers import gpu_count
+from tests.helpers.remote import nixl_missing
 
 _NO_GPU = pytest.StashKey[str]()
+_NO_NIXL = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--require-gpu", action="store_true",
                      help="fail, instead of skipping, every gpu test that cannot run here "
                           "(also: DMABUF_INTEROP_REQUIRE_GPU=1)")
+    parser.addoption("--require-nixl", action="store_true",
+                     help="fail, instead of skipping, every nixl test where NIXL is not installed "
+                          "(also: DMABUF_INTEROP_REQUIRE_NIXL=1)")
 
 
-def _require_gpu(config: pytest.Config) -> bool:
-    return bool(config.getoption("--require-gpu")) or os.environ.get("DMABUF_INTEROP_REQUIRE_GPU", "") == "1"
+def _required(config: pytest.Config, what: str) -> bool:
+    env = f"DMABUF_INTEROP_REQUIRE_{what.upper()}"
+    return bool(config.getoption(f"--require-{what}")) or os.environ.get(env, "") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_nixl = nixl_missing()
+    for item in (i for i in items if no_nixl and i.get_closest_marker("nixl")):
+        if _required(config, "nixl"):
+            item.stash[_NO_NIXL] = no_nixl
+        else:
+            item.add_marker(pytest.mark.skip(reason=no_nixl))
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -40,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         why = reason if n == 0 else f"needs {need} GPUs, this machine has {n}" if n < need else None
         if why is None:
             continue
-        if _require_gpu(config):
+        if _required(config, "gpu"):
             item.stash[_NO_GPU] = why
         else:
             item.add_marker(pytest.mark.skip(reason=why))
@@ -50,3 +66,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     why = item.stash.get(_NO_GPU, None)
     if why is not None:
         pytest.fail(f"GPU required (--require-gpu / DMABUF_INTEROP_REQUIRE_GPU=1) but: {why}", pytrace=False)
+    why = item.stash.get(_NO_NIXL, None)
+    if why is not None:
+        pytest.fail(f"NIXL required (--require-nixl / DMABUF_INTEROP_REQUIRE_NIXL=1) but: {why}", pytrace=False)

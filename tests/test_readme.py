@@ -1,4 +1,4 @@
-"""README.md holds the two set-up commands, and .ci/run runs the test command verbatim."""
+"""README.md holds the two set-up commands, and .ci/run runs the test command verbatim (NIXL tests required)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def test_ci_builds_the_docs_with_warnings_as_errors_and_checks_nvrtc():
     docs_cmd = "python -m sphinx -W --keep-going -b html docs docs/_build/html"
     assert docs_cmd in ci and docs_cmd in (ROOT / "README.md").read_text()
     assert 'load_nvidia_dynamic_lib("nvrtc")' in ci
+
+
+def test_test_command_installs_nixl_without_torch_and_ci_requires_it():
+    test_cmd = next(c for c in _commands() if c.endswith("python -m pytest -q"))
+    m = re.search(r"pip install --no-deps 'nixl-cu13==([0-9.]+)'", test_cmd)
+    assert m, test_cmd
+    extra = re.search(r'nixl = \["nixl-cu13>=([0-9.]+),<([0-9]+)"\]', (ROOT / "pyproject.toml").read_text())
+    assert extra and m.group(1) == extra.group(1) and int(m.group(1).split(".")[0]) < int(extra.group(2))
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    require = [i for i, line in enumerate(ci) if line.startswith("export DMABUF_INTEROP_REQUIRE_NIXL=1")]
+    assert require and require[0] < ci.index(test_cmd)  # the NIXL tests fail rather than skip in CI

@@ -52,6 +52,7 @@ __all__ = [
     "WaitTimeoutError",
     "PeerRefusedError",
     "PoolExhaustedError",
+    "TransferError",
 ]
 
 
@@ -205,3 +206,7 @@ class PeerRefusedError(FdPassError):
 
 class PoolExhaustedError(DmaBufError):
     """A shared pool had no free block of the requested size within the timeout."""
+
+
+class TransferError(DmaBufError):
+    """A transfer-engine call (NIXL: register, metadata, READ) failed; ``str()`` names the call and NIXL's status."""

@@ -336,8 +336,13 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
         SyscallError: ``recvmsg`` failed otherwise.
     """
     _check_unix(sock)
+    return _recv_framed(sock, _deadline(timeout), max_fds, max_bytes, rest_timeout)
+
+
+def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_bytes: int,
+                 rest_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``)."""
     _check_in_step(sock, _broken_recv, "receive")
-    deadline = _deadline(timeout)
     stream = sock.type == socket.SOCK_STREAM
     fds: list[int] = []
     started = False

@@ -395,3 +395,18 @@ def test_gpu_cross_device_pair(tmp_path):
         assert data["mechanisms"][name]["devices"] == {"producer": 0, "consumer": 1}
     b = data["bandwidth"]["sizes"][0]
     assert b["peer_device"] == 1 and b["cross_import"]["gbps"] > 0 and "memcpy_peer" in b
+
+
+@pytest.mark.nixl
+def test_remote_bench_on_loopback(tmp_path) -> None:
+    path = tmp_path / "remote.json"
+    out = run_cli("bench", "--remote", "--sizes", "64K,1M", "--reps", "3", "--warmup", "1", "--json", str(path),
+                  extra_env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NIXL INFO" not in out.stdout  # NIXL's agent log stays off the report
+    assert "tcp:// channel vs bare NIXL READ vs local channel" in out.stdout and "1 MiB" in out.stdout
+    report = _load(path)
+    assert report["ucx_tls"] == "tcp" and report["ucx_net_devices"] == "lo" and report["overhead_target_pct"] == 10
+    assert [r["bytes"] for r in report["rows"]] == [64 << 10, 1 << 20]
+    for row in report["rows"]:
+        assert row["reps"] == 3 and row["channel_gbs"] > 0 and row["nixl_gbs"] > 0 and row["local_gbs"] > 0

@@ -21,21 +21,16 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError, SyscallError
+from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError
 from .channel import Channel, PeerInfo
+from .handshake import hello, recv_hello, refuse
 from .pool import SharedPool
-from .protocol import PROTOCOL_VERSION, host_boot_id, parse_message, visible_gpu_uuids
-from .wire import recv_frame, send_frame
+from .protocol import visible_gpu_uuids
+from .wire import send_frame
 
 __all__ = ["listen", "connect", "Listener"]
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def _library_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
@@ -46,6 +41,15 @@ def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
     if address.startswith("@"):
         return "\0" + address[1:], True
     return address, False
+
+
+def _remote(address: Any, options: dict[str, Any]) -> bool:
+    """``tcp://`` addresses go to :mod:`.remote`; its options are refused for local addresses."""
+    if isinstance(address, str) and address.startswith("tcp://"):
+        return True
+    if options:
+        raise InvalidArgumentError(f"{sorted(options)} only apply to tcp:// addresses")
+    return False
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -66,14 +70,6 @@ def _allowed(uid: int, gid: int, allow_uids: Iterable[int] | None, allow_gids: I
     return uid in uids or (allow_gids is not None and gid in set(allow_gids))
 
 
-def _hello(overrides: dict[str, Any] | None, gpus: list[str]) -> dict[str, Any]:
-    msg = {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": _library_version(),
-           "boot_id": host_boot_id(), "gpus": gpus, "pid": os.getpid()}
-    if overrides:
-        msg.update(overrides)
-    return msg
-
-
 def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why ``theirs`` is unacceptable, or ``None``."""
     if theirs["protocol"] != mine["protocol"]:
@@ -83,29 +79,6 @@ def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
         return (f"peer is on another host (boot id {theirs['boot_id']!r}, ours {mine['boot_id']!r}): "
                 f"fds and shared memory cannot cross hosts")
     return None
-
-
-def _refuse(sock: socket.socket, reason: str) -> None:
-    try:
-        send_frame(sock, {"kind": "refuse", "reason": reason})
-    except (PeerClosedError, OSError):
-        pass
-    sock.close()
-
-
-def _recv_hello(sock: socket.socket, timeout: float | None) -> dict[str, Any]:
-    msg, fds = recv_frame(sock, timeout)
-    if fds:
-        from ..fdpass import close_fds
-
-        close_fds(fds)
-        raise ProtocolError("the handshake carried an fd")
-    kind, _ = parse_message(msg)
-    if kind == "refuse":
-        raise PeerRefusedError(f"the peer refused this connection: {msg['reason']}")
-    if kind != "hello":
-        raise ProtocolError(f"expected a hello message, got {kind!r}")
-    return msg
 
 
 def _unlink_if_ours(path: str, ino: tuple[int, int]) -> None:
@@ -180,15 +153,15 @@ class Listener:
                 reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
                           f"allowed uids {sorted(self._allow_uids) if self._allow_uids is not None else [os.geteuid()]}"
                           f", gids {sorted(self._allow_gids) if self._allow_gids else []}")
-                _refuse(conn, reason)
+                refuse(conn, reason)
                 raise PeerRefusedError(f"refused a connection: {reason}")
-            mine = _hello(self._hello_overrides, visible_gpu_uuids())
+            mine = hello(self._hello_overrides, visible_gpu_uuids())
             send_frame(conn, mine)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            theirs = _recv_hello(conn, remaining)
+            theirs = recv_hello(conn, remaining)
             why = _check_hello(mine, theirs)
             if why is not None:
-                _refuse(conn, why)
+                refuse(conn, why)
                 raise PeerRefusedError(f"refused a connection: {why}")
         except BaseException:
             conn.close()
@@ -217,8 +190,11 @@ class Listener:
 def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
            allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
            ordering: str = "event", device: int | None = None, backlog: int = 64,
-           hello_overrides: dict[str, Any] | None = None) -> Listener:
+           hello_overrides: dict[str, Any] | None = None, **remote: Any) -> Listener:
     """Listen for channel consumers on ``address`` (``socket(AF_UNIX, SOCK_STREAM)``, ``bind``, ``listen``).
+
+    ``"tcp://HOST:PORT"`` listens for consumers on other hosts instead (NIXL; ``token=`` /
+    ``token_file=`` / ``xfer_timeout=`` in ``remote``): see :func:`.remote.listen_remote`.
 
     Args:
         address: a filesystem path (created mode 0600 under a 0177 umask; a stale
@@ -239,6 +215,10 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    if _remote(address, remote):
+        from .remote import listen_remote
+
+        return listen_remote(address, pool=pool, device=device, backlog=backlog, **remote)  # type: ignore[return-value]
     addr, abstract = _sockaddr(address)
     path = None if abstract else os.path.abspath(addr)
     if path is not None:
@@ -297,8 +277,12 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
 
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
             device: int | None = None, ordering: str = "event", allow_uids: Iterable[int] | None = None,
-            allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None) -> Channel:
+            allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None,
+            **remote: Any) -> Channel:
     """Connect to a :func:`listen` address and complete the handshake.
+
+    ``"tcp://HOST:PORT"`` connects to a listener on another host (NIXL; ``token=`` /
+    ``token_file=`` / ``xfer_timeout=`` in ``remote``): see :func:`.remote.connect_remote`.
 
     Args:
         address: as for :func:`listen`.
@@ -319,6 +303,10 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    if _remote(address, remote):
+        from .remote import connect_remote
+
+        return connect_remote(address, timeout=timeout, pool=pool, device=device, **remote)
     addr, _ = _sockaddr(address)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -332,15 +320,15 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             raise SyscallError("connect", exc) from exc
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
-        theirs = _recv_hello(sock, timeout)
+        theirs = recv_hello(sock, timeout)
         if not _allowed(uid, gid, allow_uids, allow_gids):
             why = f"the listener on {address!r} runs as uid {uid} (gid {gid}, pid {pid}), which is not allowed"
-            _refuse(sock, why)
+            refuse(sock, why)
             raise PeerRefusedError(why)
-        mine = _hello(hello_overrides, visible_gpu_uuids(initialise=device is not None))
+        mine = hello(hello_overrides, visible_gpu_uuids(initialise=device is not None))
         why = _check_hello(mine, theirs)
         if why is not None:
-            _refuse(sock, why)
+            refuse(sock, why)
             raise PeerRefusedError(why)
         send_frame(sock, mine)
     except BaseException:

@@ -2,7 +2,8 @@
 
 Frames are those of :mod:`..fdpass` (a 4-byte big-endian length, then UTF-8
 JSON, at most one fd by ``SCM_RIGHTS`` on the first byte), sent and received
-by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves.
+by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves;
+``tcp://`` control connections (:mod:`.remote`) carry the same frames with no fd.
 Array batches with caller ``meta`` can exceed fdpass's default 64 KiB, so
 bodies here may be up to :data:`MAX_FRAME` bytes.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from ..fdpass import recv_message, send_message
+from .._time import deadline_after
+from ..errors import InvalidArgumentError
+from ..fdpass import _recv_framed, _send_all, encode_message, recv_message, send_message
 
 __all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
 
@@ -30,7 +33,10 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
         PeerClosedError: the peer has gone (``EPIPE`` / ``ECONNRESET``).
         WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
     """
-    send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME)
+    if sock.family == socket.AF_UNIX:
+        send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME)
+    else:  # fdpass's public calls refuse sockets that cannot carry an fd; this frame carries none
+        _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout))
 
 
 def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
@@ -44,4 +50,14 @@ def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, An
         ProtocolError: a truncated control message, bad framing, or a body that is not a JSON object
             (every fd that arrived is closed first).
     """
-    return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
+    if sock.family == socket.AF_UNIX:
+        return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
+    return _recv_framed(_tcp(sock), deadline_after(timeout), 0, MAX_FRAME, REST_TIMEOUT)
+
+
+def _tcp(sock: socket.socket) -> socket.socket:
+    if sock.fileno() == -1:
+        raise InvalidArgumentError("the socket is closed")
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        raise InvalidArgumentError(f"a channel connection is an AF_UNIX or TCP stream socket, not {sock!r}")
+    return sock

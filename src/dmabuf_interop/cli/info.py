@@ -375,7 +375,11 @@ def build_report(timeout: float = 60.0, worker_argv: Sequence[str] | None = None
             usable, reason = _decide(key.split("-")[1], cuda, gpus, system)
         p = pairs.get(key, {})
         mechs[key] = {"usable": usable, "reason": reason, "pair": p.get("pair"), "peer_access": p.get("peer_access")}
-    return {"schema_version": SCHEMA_VERSION, "system": system, "cuda": cuda, "gpus": gpus, "mechanisms": mechs}
+    report = {"schema_version": SCHEMA_VERSION, "system": system, "cuda": cuda, "gpus": gpus, "mechanisms": mechs}
+    from .info_nixl import nixl_report  # the NIXL section: docs/remote.md
+
+    report["nixl"] = nixl_report(report, timeout)
+    return report
 
 
 def _yn(v: bool | None) -> str:
@@ -441,7 +445,10 @@ def format_report(r: dict[str, Any]) -> str:
 def main(json_output: bool = False, timeout: float = 60.0) -> int:
     """``dmabuf-interop info [--json]``: print the report; 0 unless the report itself cannot be printed."""
     report = build_report(timeout)
-    print(json.dumps(report, indent=2) if json_output else format_report(report))
+    from .info_nixl import format_nixl
+
+    text = format_report(report) + "\n\n" + format_nixl(report["nixl"])
+    print(json.dumps(report, indent=2) if json_output else text)
     return 0
 
 

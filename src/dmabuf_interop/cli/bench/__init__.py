@@ -8,6 +8,8 @@ With a GPU, a last pair measures read bandwidth through a POSIX-fd import
 (:mod:`.bandwidth`) and the library's Python overhead (:mod:`.overhead`).
 :mod:`.report` prints the table and the targets, and writes ``--json`` and
 ``--plot``; output paths are checked before anything is measured.
+``--workload`` runs the weight-sync workload (:mod:`.weight_sync`) instead, and
+``--remote`` a tcp:// channel through NIXL against a bare NIXL READ loop (:mod:`.remote`).
 
 Exit status: 0 when the benchmark ran (mechanisms that are not installed or
 not supported are reported, not failures), 1 when a mechanism failed, 2 for a
@@ -138,6 +140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_seconds, default=300.0,
                    help="seconds to wait for the next record from a benchmark process; a record comes after all "
                         "repetitions of one size, so allow for --reps (default 300)")
+    p.add_argument("--remote", action="store_true",
+                   help="tcp:// channel through NIXL on loopback (host memory) against a bare NIXL READ loop and "
+                        "a local channel: GB/s per --sizes, --reps timed reads after --warmup (needs NIXL)")
     from .weight_sync import add_arguments as add_workload_arguments
 
     add_workload_arguments(p)
@@ -145,6 +150,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "remote", False):
+        from .remote import bench as remote_bench
+
+        return remote_bench(args)
     if getattr(args, "workload", None):
         from .weight_sync import main as workload_main
 

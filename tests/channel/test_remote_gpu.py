@@ -1,0 +1,33 @@
+"""tcp:// channels through NIXL between two processes with device pools: GPU 0 -> GPU 1 (run on 2 GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmabuf_interop.channel.remote import ucx_read_transports
+from tests.helpers.remote import peer_env, result, start, start_producer
+
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.nixl]
+
+
+@pytest.mark.parametrize("tls", ["cuda_copy,tcp", "cuda_copy,cuda_ipc,tcp"])
+def test_device_pool_gpu0_to_gpu1(tls: str, record_property) -> None:
+    env = peer_env(tls=tls, UCX_PROTO_INFO="y")
+    producer, addr = start_producer("producer", "300", "0", env=env)
+    consumer = start("consumer", addr, "300", "1", env=env)
+    out, err = consumer.communicate(timeout=300)
+    assert consumer.returncode == 0, err[-4000:]
+    import json
+
+    got = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    sent = result(producer)
+    transports = ucx_read_transports(out)
+    record_property("ucx_read_transports", transports)
+    print(f"UCX_TLS={tls}: READ went through {transports}")
+    assert got["good"] == got["n"] == 300  # 0 mismatches
+    assert got["transport"]["backend"] == "UCX"
+    assert transports, "UCX_PROTO_INFO printed no ucp_get table"
+    if "cuda_ipc" not in tls:
+        assert not any(t.startswith("cuda_ipc") for t in transports)
+    assert got["registered"] == sent["registered"] == 0
+    assert got["fds_leaked"] == sent["fds_leaked"] == 0
