@@ -32,7 +32,7 @@ def _paths(obj: object, prefix: str = "") -> dict[str, object]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             k = {"mechanisms": "<mechanism>", "gpus[].attributes": "<ATTRIBUTE>",
-                 "gpus[].probe_details": "<probe>"}.get(prefix, k)
+                 "gpus[].probe_details": "<probe>", "nixl.ucx_env": "<UCX_VARIABLE>"}.get(prefix, k)
             out.update(_paths(v, f"{prefix}.{k}" if prefix else k))
     elif isinstance(obj, list) and prefix == "gpus":
         for item in obj:
@@ -48,7 +48,8 @@ def check_documented(report: dict) -> None:
     undocumented = set(got) - set(doc)
     assert not undocumented, f"keys missing from docs/info.md: {sorted(undocumented)}"
     for key, doc_type in doc.items():
-        if key.startswith("gpus[]") and not report["gpus"] or "<probe>" in key or "<ATTRIBUTE>" in key:
+        if key.startswith("gpus[]") and not report["gpus"] or "<probe>" in key or "<ATTRIBUTE>" in key \
+                or "<UCX_VARIABLE>" in key:
             continue
         if key == "gpus[].probes.posix_fd_import_peer" and report["cuda"]["device_count"] < 2:
             continue
