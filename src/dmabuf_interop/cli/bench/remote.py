@@ -8,7 +8,8 @@ with two bare agents: ``initialize_xfer`` once, ``transfer`` +
 AF_UNIX channel: zero-copy, no bytes move). Each size runs ``--warmup``
 untimed reads (at least one: the first READ registers the receiving chunk),
 then ``--reps`` timed ones. GB/s is 1e9 bytes per second. UCX is pinned to
-``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the caller set them.
+``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the caller set them (``UCX_TLS=tcp,cuda_copy``
+where NVIDIA GPUs are present, since NIXL's UCX backend refuses ``tcp`` alone there).
 
 The peers are this module run as ``python -m dmabuf_interop.cli.bench.remote --role ...``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import glob
 import json
 import os
 import secrets
@@ -147,14 +149,16 @@ def _bare_rate(info: dict[str, Any], sizes: list[int], warmup: int, reps: int, t
 def run(sizes: list[int], warmup: int = 1, reps: int = 20, timeout: float = 300.0) -> list[dict[str, Any]]:
     """Rows ``{"bytes", "reps", "channel_gbs", "nixl_gbs", "overhead_pct", "local_gbs"}``, one per size.
 
-    ``UCX_TLS`` / ``UCX_NET_DEVICES`` default to ``tcp`` / ``lo`` in this process and its peers.
+    ``UCX_TLS`` / ``UCX_NET_DEVICES`` default to ``tcp`` / ``lo`` in this process and its peers
+    (``tcp,cuda_copy`` where NVIDIA GPUs are present: NIXL refuses ``tcp`` alone there).
 
     Raises:
         RuntimeError: a peer process failed to start, or a bare READ failed.
         NotSupportedError: NIXL is not installed.
         DmaBufError: a channel call failed (its subclass names what).
     """
-    os.environ.setdefault("UCX_TLS", "tcp")
+    # NIXL's UCX backend refuses a UCX_TLS without a CUDA transport where NVIDIA GPUs are present.
+    os.environ.setdefault("UCX_TLS", "tcp,cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("DMABUF_INTEROP_TOKEN", secrets.token_hex(32))
     warmup = max(1, warmup)
