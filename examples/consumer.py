@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 
 import numpy as np
 
 from dmabuf_interop.channel import connect
-from dmabuf_interop.errors import DmaBufError
+from dmabuf_interop.errors import DmaBufError, SyscallError
 
 
 def main() -> int:
@@ -27,8 +28,8 @@ def main() -> int:
             try:
                 ch = connect(args.address, timeout=args.timeout)
                 break
-            except DmaBufError as exc:
-                if time.monotonic() > deadline or "ENOENT" not in str(exc) and "ECONNREFUSED" not in str(exc):
+            except SyscallError as exc:  # ENOENT / ECONNREFUSED: nothing listens there yet
+                if time.monotonic() > deadline or exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
                     raise
                 time.sleep(0.05)
         with ch:

@@ -45,8 +45,10 @@ def main() -> int:
                         leases.append(ch.send(arr, meta={"index": i}))
                     for lease in leases:
                         lease.wait(args.timeout)
-                    print(f"producer: {args.count} arrays released", flush=True)
-    except DmaBufError as exc:
+                    gone = sum(lease.reason == "disconnected" for lease in leases)
+                    print(f"producer: {args.count - gone} arrays released"
+                          + (f", {gone} given back because the consumer left" if gone else ""), flush=True)
+    except (DmaBufError, ImportError) as exc:  # ImportError: --device needs torch
         print(f"producer: {exc}", file=sys.stderr)
         return 1
     return 0

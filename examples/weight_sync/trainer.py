@@ -56,4 +56,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dmabuf_interop.errors import DmaBufError
+
+    try:
+        main()
+    except (DmaBufError, ImportError) as exc:  # a peer that went, no listener yet, torch missing without --host
+        raise SystemExit(f"trainer: {type(exc).__name__}: {exc}") from None

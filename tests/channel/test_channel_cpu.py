@@ -380,3 +380,59 @@ def test_examples_run_as_two_unrelated_processes(tmp_path: Path) -> None:
     assert cons.stdout.splitlines() == [f"consumer: array {i} int32[1024] ok" for i in range(3)] + ["consumer: done"]
     assert prod.returncode == 0, perr
     assert "producer: 3 arrays released" in pout
+
+
+def test_accept_skips_connections_whose_peer_already_left(addr: str, pool: SharedPool) -> None:
+    listener = listen(addr, pool=pool)
+    with pytest.raises(InvalidArgumentError, match="someone is listening"):
+        listen(addr)  # its liveness check connects, then leaves
+    with pytest.raises(WaitTimeoutError):
+        connect(addr, timeout=0.3)  # a client that gave up waiting for accept()
+    got = in_thread(lambda: connect(addr, timeout=10))
+    ch = listener.accept(10)  # the two dead connections are skipped, not raised
+    cons = got()
+    ch.send(np.arange(4))
+    assert list(cons.recv(5).as_array()) == [0, 1, 2, 3]
+    for x in (cons, ch, listener):
+        x.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        listener.accept(1)
+
+
+def test_recv_timeout_zero_takes_what_has_arrived_and_negative_is_refused(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    with pytest.raises(WaitTimeoutError):
+        cons.recv(0)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        cons.recv(-1)
+    prod.send(np.arange(3))  # the chunk message, then the array: both read by one recv(0)
+    time.sleep(0.2)
+    with cons.recv(0) as r:
+        assert list(r.as_array()) == [0, 1, 2]
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_send_many_refuses_what_the_receiver_would_refuse(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel.protocol import MAX_ITEMS
+
+    listener, prod, cons = pair(addr, pool)
+    one = pool.empty(4, "int32")
+    for bad, text in (({}, "empty batch"), ([], "empty batch"), ({1: one, "1": one}, "str keys"),
+                      ([one] * (MAX_ITEMS + 1), "at most")):
+        with pytest.raises(InvalidArgumentError, match=text):
+            prod.send_many(bad)
+    lease = prod.send_many({"a": one})  # the channel is still up
+    release_all(cons.recv_many(5).values())
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_pool_retires_idle_chunks_to_make_room_for_a_larger_block() -> None:
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as p:
+        blocks = [p.empty(1 << 20, "uint8") for _ in range(4)]  # four 1 MiB chunks: the pool is full
+        del blocks
+        gc.collect()
+        big = p.empty(2 << 20, "uint8", timeout=1)  # needs a 2 MiB chunk: idle ones are retired
+        assert big.nbytes == 2 << 20 and p.capacity <= 4 << 20

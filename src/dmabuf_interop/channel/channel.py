@@ -27,12 +27,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import (DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError,
-                      WaitTimeoutError)
+from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
+                      ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
 from ..fdpass import close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
-from .protocol import DTYPES, MAX_META_BYTES, ArrayDescriptor, parse_message
+from .protocol import DTYPES, MAX_ITEMS, MAX_META_BYTES, ArrayDescriptor, parse_message
 from .wire import send_frame, recv_frame
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for", "release_all"]
@@ -285,10 +285,15 @@ class Received:
         device ``recv_many`` batch, each chunk is imported into torch once (``torch.from_dlpack``)
         and every item's tensor is a ``torch.as_strided`` view of it: while any such tensor lives,
         every item of the batch whose tensor was taken stays held (its safety-net release waits).
+
+        Raises:
+            InvalidArgumentError: already released.
+            NotSupportedError: torch is not installed.
         """
         self._check()
         import numpy as np
-        import torch
+
+        torch = _require("torch")
 
         d = self.descriptor
         if self._batch is not None and self.device >= 0:
@@ -308,10 +313,11 @@ class Received:
 
         Raises:
             InvalidArgumentError: the array is in host memory.
+            NotSupportedError: CuPy is not installed.
         """
         if self.device < 0:
             raise InvalidArgumentError("this array is in host memory: use as_array() (NumPy)")
-        import cupy
+        cupy = _require("cupy")
 
         return cupy.from_dlpack(self.as_array())
 
@@ -343,11 +349,28 @@ class Received:
         return f"<Received {self.dtype}{list(self.shape)} lease={self.lease_id} {state}>"
 
 
+def _require(module: str) -> Any:
+    """Import ``module`` (torch, CuPy) for a view, or say it is missing.
+
+    Raises:
+        NotSupportedError: it is not installed.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise NotSupportedError(f"{module} is not installed ({exc}): use as_array() (DLPack / NumPy)") from exc
+
+
 def release_all(items: Iterable[Received]) -> None:
     """Release many :class:`Received` (a ``recv_many`` batch: its dict's values, or its list):
     each distinct (device, stream) is synchronised once (``cuStreamSynchronize``), not once per item.
     """
     items = list(items)
+    bad = next((r for r in items if not isinstance(r, Received)), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"release_all takes Received objects, got {type(bad).__name__}")
     synced: set[tuple[int, int]] = set()
     for r in items:
         if r.device >= 0 and r._stream is not None and not r.released and (r.device, r._stream) not in synced:
@@ -426,7 +449,10 @@ def _inspect(array: Any) -> _Source:
             strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
                        else c_strides(shape, dt.itemsize))
             return _Source(int(array.ptr), shape, strides, dt.name, None, array)
-        array = np.asarray(array)
+        try:
+            array = np.asarray(array)
+        except ValueError as exc:  # a ragged list, for one
+            raise InvalidArgumentError(f"cannot send {type(array).__name__}: numpy.asarray refused it ({exc})") from exc
     name = _NUMPY_NAMES.get(array.dtype)
     if name is None:
         if array.dtype.byteorder == ">":
@@ -645,11 +671,26 @@ class Channel:
 
         ``meta`` rides on the first item. Arguments, result and errors as :meth:`send`;
         the lease is done when the peer has released every item.
+
+        Raises:
+            InvalidArgumentError: as :meth:`send`; also an empty batch, more than
+                :data:`~.protocol.MAX_ITEMS` arrays, or a mapping key that is not a str (of at
+                most 4096 characters): the peer would refuse the message and end the channel.
         """
         if isinstance(arrays, Mapping):
-            items = [(str(k), v) for k, v in arrays.items()]
-            return self._send_items(items, stream, meta, timeout, ordering, batch="mapping")
-        return self._send_items([(None, v) for v in arrays], stream, meta, timeout, ordering, batch="list")
+            items = [(k, v) for k, v in arrays.items()]
+            bad = next((k for k, _ in items if not isinstance(k, str) or len(k) > 4096), None)
+            if bad is not None:
+                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, got {bad!r}")
+            kind = "mapping"
+        else:
+            items, kind = [(None, v) for v in arrays], "list"
+        if not items:
+            raise InvalidArgumentError("an empty batch: send_many needs at least one array")
+        if len(items) > MAX_ITEMS:
+            raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(items)}: "
+                                       f"send it as several batches")
+        return self._send_items(items, stream, meta, timeout, ordering, batch=kind)
 
     def _send_items(self, items: list[tuple[str | None, Any]], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
@@ -734,7 +775,10 @@ class Channel:
     # --- receiving ------------------------------------------------------------------
 
     def _next(self, timeout: float | None, want_batch: bool) -> Any:
+        if timeout is not None and not timeout >= 0:
+            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
             if self._pending and not self._queue:
                 self._flush()  # about to wait: send the releases now rather than after RELEASE_DELAY
@@ -750,10 +794,13 @@ class Channel:
                     raise PeerClosedError("the peer closed the channel" if not self._closed
                                           else "the channel is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                expired = remaining is not None and remaining <= 0
+                if expired and (drained or self._reader is not None):
                     raise WaitTimeoutError(f"no array from the peer within {timeout} s")
                 if self._reader is not None or not self._read_lock.acquire(blocking=False):
                     # Another thread reads the socket: it queues what arrives and notifies.
+                    if expired:
+                        raise WaitTimeoutError(f"no array from the peer within {timeout} s")
                     self._waiters += 1
                     try:
                         self._state.wait(remaining)
@@ -761,7 +808,7 @@ class Channel:
                         self._waiters -= 1
                     continue
             try:
-                self._read_one(deadline)  # in this thread: no hand-over between threads
+                drained = not self._read_one(deadline)  # in this thread: no hand-over between threads
             finally:
                 self._read_lock.release()
                 if self._waiters:
@@ -859,20 +906,20 @@ class Channel:
             while not self._eof:
                 self._read_one(None)
 
-    def _read_one(self, deadline: float | None) -> None:
+    def _read_one(self, deadline: float | None) -> bool:
         """Read and handle one message (the caller holds ``_read_lock``); a message that ends the
-        connection, or breaks the protocol, ends it here (:meth:`_end`). Past ``deadline``
-        nothing happens: the caller's own deadline check raises."""
+        connection, or breaks the protocol, ends it here (:meth:`_end`). Returns False when
+        nothing arrived by ``deadline`` (the caller's own deadline check raises), else True."""
         if self._eof:
-            return
+            return True
         try:
             msg, fds = recv_frame(self._sock, None if deadline is None else max(deadline - time.monotonic(), 0))
         except WaitTimeoutError:
-            return
+            return False
         except (DmaBufError, OSError, ValueError) as exc:
             self._error = exc
             self._end()
-            return
+            return True
         try:
             self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
@@ -880,6 +927,7 @@ class Channel:
             self._end()
         finally:
             close_fds(fds)
+        return True
 
     def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         kind, descs = parse_message(msg)

@@ -253,8 +253,10 @@ class SharedPool:
     def alloc(self, nbytes: int, *, timeout: float | None = 10.0) -> Block:
         """A block of at least ``nbytes`` bytes (rounded up to :data:`ALIGN`), with no user yet.
 
-        Grows the pool by a chunk while under ``max_bytes``; when full waits up
-        to ``timeout`` seconds (``None``: forever) for blocks to come back.
+        Grows the pool by a chunk while under ``max_bytes``; at ``max_bytes``, idle
+        chunks too small for the block are retired (:meth:`trim`) to make room for a
+        larger one; otherwise waits up to ``timeout`` seconds (``None``: forever) for
+        blocks to come back.
 
         Raises:
             InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``.
@@ -267,27 +269,33 @@ class SharedPool:
         if n > self.max_bytes:
             raise InvalidArgumentError(f"a {nbytes}-byte block can never fit in a pool of max_bytes {self.max_bytes}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise InvalidArgumentError("the pool is closed")
-                for chunk in self._chunks:
-                    off = chunk.free.alloc(n)
-                    if off is not None:
-                        block = Block(self, chunk, off, n)
-                        chunk.add(block)
-                        return block
-                size = self._chunk_size_for(n)
-                if sum(c.size for c in self._chunks) + size <= self.max_bytes:
-                    chunk = self._new_chunk(size)
-                    self._chunks.append(chunk)
-                    continue
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise PoolExhaustedError(
-                        f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
-                        f"{self.max_bytes} bytes are in use or lent out")
-                self._cond.wait(remaining)
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        raise InvalidArgumentError("the pool is closed")
+                    for chunk in self._chunks:
+                        off = chunk.free.alloc(n)
+                        if off is not None:
+                            block = Block(self, chunk, off, n)
+                            chunk.add(block)
+                            return block
+                    size = self._chunk_size_for(n)
+                    total = sum(c.size for c in self._chunks)
+                    if total + size <= self.max_bytes:
+                        chunk = self._new_chunk(size)
+                        self._chunks.append(chunk)
+                        continue
+                    idle = sum(c.size for c in self._chunks if not c.blocks)
+                    if idle and total - idle + size <= self.max_bytes:
+                        break  # idle chunks too small for this block: retire them (below) to make room
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise PoolExhaustedError(
+                            f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
+                            f"{self.max_bytes} bytes are in use or lent out")
+                    self._cond.wait(remaining)
+            self.trim()  # outside the lock: retiring a chunk tells every channel that has it
 
     def used_bytes_locked(self) -> int:
         return sum(b.size for c in self._chunks for b in c.blocks.values())

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError
+from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, SyscallError
 from .channel import Channel, PeerInfo
 from .handshake import hello, recv_hello, refuse
 from .pool import SharedPool
@@ -131,17 +131,31 @@ class Listener:
         ``hello`` messages. A refused peer gets a ``refuse`` message and this
         call raises; the listener stays open for the next one.
 
+        A connection whose peer left before or during the handshake (a client
+        that gave up waiting, the liveness check of a second :func:`listen` on
+        the same path) is closed and skipped: the wait goes on for the next one.
+
         Raises:
             WaitTimeoutError: no consumer (or no complete hello) within ``timeout`` seconds.
             PeerRefusedError: the peer's credentials, protocol version or host were refused,
                 or the peer refused us.
             ProtocolError: the peer's hello was malformed.
-            PeerClosedError: the peer left during the handshake.
+            InvalidArgumentError: the listener is closed.
         """
         from .._time import deadline_after as _deadline
+
+        if self.closed:
+            raise InvalidArgumentError(f"the listener on {self.address} is closed")
+        deadline = _deadline(timeout)
+        while True:
+            try:
+                return self._accept_one(deadline)
+            except PeerClosedError:
+                continue  # that peer is gone; the deadline still bounds the wait
+
+    def _accept_one(self, deadline: float | None) -> Channel:
         from ..fdpass import _wait_readable
 
-        deadline = _deadline(timeout)
         _wait_readable(self._sock, deadline, "a channel consumer to connect")
         try:
             conn, _ = self._sock.accept()
@@ -316,8 +330,8 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         sock.settimeout(timeout)
         try:
             sock.connect(addr)
-        except OSError as exc:
-            raise SyscallError("connect", exc) from exc
+        except OSError as exc:  # ENOENT / ECONNREFUSED: nothing listens on that address (yet)
+            raise SyscallError(f"connect({str(address)!r})", exc) from exc
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
         theirs = recv_hello(sock, timeout)

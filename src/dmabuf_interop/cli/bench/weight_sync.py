@@ -40,6 +40,7 @@ import math
 import os
 import select
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -313,16 +314,25 @@ def _line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 def _finish(procs: list[subprocess.Popen[str]], timeout: float, results: list[dict[str, Any]]) -> None:
     from ...procs import wait_child
 
+    killed: set[int] = set()
     for proc, res in zip(procs, results):
         if res.get("status") != "ok":  # a peer that failed leaves the other waiting: end it
             for other in procs:
                 if other.poll() is None:
                     other.kill()
+                    killed.add(other.pid)
     for proc in procs:
-        ended = wait_child(proc.pid, min(timeout, 60.0))
-        proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
+        if proc.returncode is None:  # not reaped yet (Popen.poll above reaps the ones that ended)
+            ended = wait_child(proc.pid, min(timeout, 60.0))
+            proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
         if proc.stdout is not None:
             proc.stdout.close()
+    for proc, res in zip(procs, results):
+        if (res.get("status") == "error" and "without reporting" in res.get("reason", "") and proc.returncode < 0
+                and proc.pid not in killed):
+            sig = -proc.returncode
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            res["reason"] += f"; it was killed by {name}" + (" (out of memory?)" if sig == signal.SIGKILL else "")
 
 
 def _merge(results: list[dict[str, Any]]) -> tuple[str, str | None]:
