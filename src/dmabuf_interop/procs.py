@@ -23,7 +23,8 @@ from typing import TextIO
 from ._time import deadline_after
 from .errors import SyscallError, WaitTimeoutError
 
-__all__ = ["ChildExit", "wait_child", "reap_child", "make_children_waitable", "host_mapping"]
+__all__ = ["ChildExit", "wait_child", "reap_child", "make_children_waitable", "host_mapping",
+           "leave_interrupts_to_parent"]
 
 
 def make_children_waitable() -> None:
@@ -118,6 +119,13 @@ def reap_child(pid: int, timeout: float | None = None, report: TextIO | None = s
     if not result.ok and report is not None:
         print(result.describe(), file=report, flush=True)
     return result.ok
+
+
+def leave_interrupts_to_parent() -> None:
+    """Ignore ``SIGINT`` in a worker process: a Ctrl-C at the terminal reaches the whole process
+    group, and the parent, which ends and reaps its workers, reports it once (no traceback per
+    worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def host_mapping(addr: int) -> tuple[str, str] | None:

@@ -410,3 +410,42 @@ def test_remote_bench_on_loopback(tmp_path) -> None:
     assert [r["bytes"] for r in report["rows"]] == [64 << 10, 1 << 20]
     for row in report["rows"]:
         assert row["reps"] == 3 and row["channel_gbs"] > 0 and row["nixl_gbs"] > 0 and row["local_gbs"] > 0
+
+
+def test_options_that_do_not_apply_get_one_note_line():
+    out = run_cli("bench", "--small", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    assert "note: --small does not apply without --workload; ignored" in out.stderr
+    out = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--sizes", "4K", "--reps", "1",
+                  "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    assert "note: --sizes does not apply to --workload; ignored" in out.stderr
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c", "sigint-to-parent"])
+def test_interrupted_bench_ends_its_children_at_once_without_tracebacks(to_group: bool) -> None:
+    import signal
+
+    from tests.helpers import env_with_src
+
+    proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop", "bench", "--mechanisms", "channel-host",
+                             "--sizes", "4K", "--reps", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env_with_src(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(3)  # the producer and consumer are handing off
+        t = time.monotonic()
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and took < 10, (proc.returncode, took, err[-2000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "dmabuf-interop: interrupted"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its process group is left

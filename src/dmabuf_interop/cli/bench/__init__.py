@@ -148,8 +148,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
 
 
+def _note_ignored(args: argparse.Namespace) -> None:
+    """One ``note:`` line on stderr for options that do not apply to the run asked for."""
+    if getattr(args, "workload", None):
+        given = [o for o, v, d in (("--sizes", args.sizes, list(DEFAULT_SIZES)),
+                                   ("--mechanisms", args.mechanisms, list(MECHANISMS))) if v != d]
+        where = "--workload"
+    elif getattr(args, "remote", False):
+        given = [o for o, v in (("--mechanisms", args.mechanisms != list(MECHANISMS)),
+                                ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+                 if v]
+        where = "--remote"
+    else:
+        given = [o for o, v in (("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+                 if v]
+        where = "without --workload"
+    if given:
+        print(f"dmabuf-interop: note: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply "
+              f"{where if where.startswith('without') else 'to ' + where}; ignored", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    _note_ignored(args)
     if getattr(args, "remote", False):
         from .remote import bench as remote_bench
 

@@ -226,4 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ...procs import leave_interrupts_to_parent
+
+    leave_interrupts_to_parent()
     sys.exit(main())

@@ -183,8 +183,9 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, An
     finally:
         for s in socks.values():
             s.close()
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)  # Ctrl-C: end the children now
         for proc in procs.values():
-            ended = wait_child(proc.pid, 0 if timed_out else min(timeout, 60.0))
+            ended = wait_child(proc.pid, 0 if timed_out or interrupted else min(timeout, 60.0))
             proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
     return _outcome(roles, out)
 

@@ -87,5 +87,8 @@ def _consumer(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    from ...procs import leave_interrupts_to_parent
+
+    leave_interrupts_to_parent()
     role, raw = sys.argv[1], json.loads(sys.argv[2])
     {"producer": _producer, "consumer": _consumer}[role](raw)

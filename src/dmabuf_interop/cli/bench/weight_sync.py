@@ -315,6 +315,8 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float, results: list[di
     from ...procs import wait_child
 
     killed: set[int] = set()
+    if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # Ctrl-C: end the children now
+        results = [{"status": "error", "reason": "interrupted"}] * len(procs)
     for proc, res in zip(procs, results):
         if res.get("status") != "ok":  # a peer that failed leaves the other waiting: end it
             for other in procs:
@@ -602,4 +604,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from ...procs import leave_interrupts_to_parent
+
+    leave_interrupts_to_parent()
     sys.exit(_child(sys.argv[1:]))
