@@ -386,7 +386,7 @@ def test_accept_skips_connections_whose_peer_already_left(addr: str, pool: Share
     listener = listen(addr, pool=pool)
     with pytest.raises(InvalidArgumentError, match="someone is listening"):
         listen(addr)  # its liveness check connects, then leaves
-    with pytest.raises(WaitTimeoutError):
+    with pytest.raises(WaitTimeoutError, match="calling accept"):
         connect(addr, timeout=0.3)  # a client that gave up waiting for accept()
     got = in_thread(lambda: connect(addr, timeout=10))
     ch = listener.accept(10)  # the two dead connections are skipped, not raised
@@ -436,3 +436,13 @@ def test_pool_retires_idle_chunks_to_make_room_for_a_larger_block() -> None:
         gc.collect()
         big = p.empty(2 << 20, "uint8", timeout=1)  # needs a 2 MiB chunk: idle ones are retired
         assert big.nbytes == 2 << 20 and p.capacity <= 4 << 20
+
+
+def test_a_device_pool_without_cuda_fails_when_made() -> None:
+    from dmabuf_interop.capabilities import driver_problem
+    from dmabuf_interop.errors import NoDriverError
+
+    if driver_problem() is None:
+        pytest.skip("CUDA works here: the no-driver error cannot happen")
+    with pytest.raises(NoDriverError):
+        SharedPool(0)

@@ -187,6 +187,7 @@ class SharedPool:
     Raises:
         InvalidArgumentError: a bad device, or sizes that are not positive ints
             or with ``chunk_bytes > max_bytes``.
+        NoDriverError: a device pool where CUDA is unavailable (the reason says why).
     """
 
     def __init__(self, device: int | str | None = None, *, chunk_bytes: int = 64 << 20,
@@ -200,6 +201,10 @@ class SharedPool:
                 raise InvalidArgumentError(f"{name} must be a positive number of bytes, got {v!r}")
         if chunk_bytes > max_bytes:
             raise InvalidArgumentError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
+        if device is not None:  # a machine without CUDA, or a bad ordinal, says so now, not at the first send
+            from .. import _driver as driver
+
+            driver.set_current(device)
         self.device: int | None = device
         self.chunk_bytes = _round_up(chunk_bytes, ALIGN)
         self.max_bytes = max_bytes

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, SyscallError
+from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, SyscallError, WaitTimeoutError
 from .channel import Channel, PeerInfo
 from .handshake import hello, recv_hello, refuse
 from .pool import SharedPool
@@ -334,7 +334,11 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             raise SyscallError(f"connect({str(address)!r})", exc) from exc
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
-        theirs = recv_hello(sock, timeout)
+        try:
+            theirs = recv_hello(sock, timeout)
+        except WaitTimeoutError as exc:
+            raise WaitTimeoutError(f"connected to {str(address)!r}, but no hello within {timeout} s: is the "
+                                   f"listening process calling accept()?") from exc
         if not _allowed(uid, gid, allow_uids, allow_gids):
             why = f"the listener on {address!r} runs as uid {uid} (gid {gid}, pid {pid}), which is not allowed"
             refuse(sock, why)
