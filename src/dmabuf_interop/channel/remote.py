@@ -19,6 +19,7 @@ See ``docs/remote.md`` for deployment, security and the support matrix.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
 import dataclasses
@@ -31,6 +32,7 @@ import threading
 import time
 import types
 import urllib.parse
+import weakref
 from typing import Any
 
 from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError, ProtocolError,
@@ -156,6 +158,7 @@ class _Agent:
         self.remotes: set[str] = set()
         self.closed = False
         self.agent = self._call("nixl_agent", nixl.nixl_agent, self.name, nixl.nixl_agent_config(backends=["UCX"]))
+        _LIVE_AGENTS.add(self)
         if "UCX" not in self.agent.backends:
             raise NotSupportedError(f"NIXL has no UCX backend here (plugins: {self.agent.plugin_list})")
 
@@ -191,7 +194,7 @@ class _Agent:
                 self._call("deregister_memory", self.agent.deregister_memory, descs)
 
     def close(self) -> None:
-        """Deregister everything and forget the peers (idempotent); the agent object goes with the channel."""
+        """Deregister everything, forget the peers and destroy the agent (idempotent)."""
         with self.lock:
             if self.closed:
                 return
@@ -208,6 +211,20 @@ class _Agent:
                     self.agent.remove_remote_agent(name)
                 except Exception:  # noqa: BLE001
                     pass
+            # Destroy the agent now, while the interpreter is whole: left to interpreter exit, its
+            # progress thread can still be running when the C++ runtime tears down (std::terminate).
+            self.agent = None
+
+
+#: Agents not closed yet: closed at interpreter exit (atexit runs before the interpreter is torn down),
+#: so a channel its owner never closed does not leave NIXL's progress thread to the C++ runtime's exit.
+_LIVE_AGENTS: "weakref.WeakSet[_Agent]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_agents() -> None:
+    for agent in list(_LIVE_AGENTS):
+        agent.close()
 
 
 class _Region:
