@@ -107,6 +107,14 @@ def _check_unix(sock: socket.socket) -> None:
             f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
 
 
+def _timeout_mode(sock: socket.socket) -> bool:
+    """True for a socket given ``settimeout(t > 0)``: CPython then waits up to ``t`` inside every
+    call before it tries, so such a socket is polled first (with this module's deadline) and
+    only called once ready; other sockets are called first and polled only on ``EAGAIN``."""
+    t = sock.gettimeout()
+    return t is not None and t > 0
+
+
 # Plain ints: socket's flags are enums, and combining enums costs more than the syscall.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
@@ -188,8 +196,11 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
     _check_in_step(sock, _broken_send, "send")
     view = memoryview(data)
     pending_fd = fd
+    poll_first = _timeout_mode(sock)
     try:
         while view:
+            if poll_first:
+                _wait_writable(sock, deadline)
             try:  # a socket with room costs one send, no poll
                 if pending_fd is not None:
                     rights = array.array("i", [pending_fd])
@@ -350,11 +361,15 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
     # (and any fd riding on it) is never swallowed together with this one.
     first = _HEADER.size if stream else _HEADER.size + max_bytes
     try:
-        try:  # a message already waiting costs one recvmsg, no poll
-            data, flags = _recvmsg(sock, first, fds, _DONTWAIT)
-        except BlockingIOError:
+        if _timeout_mode(sock):
             _wait_readable(sock, deadline, "a message")
             data, flags = _recvmsg(sock, first, fds)
+        else:
+            try:  # a message already waiting costs one recvmsg, no poll
+                data, flags = _recvmsg(sock, first, fds, _DONTWAIT)
+            except BlockingIOError:
+                _wait_readable(sock, deadline, "a message")
+                data, flags = _recvmsg(sock, first, fds)
         if rest_timeout is not None:
             deadline = _deadline(rest_timeout)
         if not data:
@@ -399,11 +414,15 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
 
 def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> tuple[bytes, int]:
     """Up to ``n`` more bytes of a message already begun (fds that ride on them go to ``fds``)."""
-    try:
-        chunk, flags = _recvmsg(sock, n, fds, _DONTWAIT)
-    except BlockingIOError:
+    if _timeout_mode(sock):
         _wait_readable(sock, deadline, "the rest of a message")
         chunk, flags = _recvmsg(sock, n, fds)
+    else:
+        try:
+            chunk, flags = _recvmsg(sock, n, fds, _DONTWAIT)
+        except BlockingIOError:
+            _wait_readable(sock, deadline, "the rest of a message")
+            chunk, flags = _recvmsg(sock, n, fds)
     if not chunk:
         raise PeerClosedError("peer closed the socket in the middle of a message")
     return chunk, flags

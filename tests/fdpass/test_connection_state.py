@@ -181,3 +181,15 @@ def test_too_many_fds_in_flight_is_fd_pass_error_naming_the_limit(pair):
             break
         for fd in fds:
             os.close(fd)
+
+
+def test_a_socket_in_timeout_mode_still_obeys_the_calls_own_timeout():
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(30)  # CPython would wait 30 s inside recvmsg if called before the data is there
+        t = time.monotonic()
+        with pytest.raises(errors.WaitTimeoutError):
+            recv_message(b, 0.2)
+        assert time.monotonic() - t < 5
+        send_message(a, {"k": 1})
+        assert recv_message(b, 5) == ({"k": 1}, [])
