@@ -73,7 +73,7 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     assert memfd["status"] == "ok" and memfd["kind"] == "ours"
     _check_cells(memfd, [4096, 65536])
     assert all(c["reps"] == 3 for c in memfd["cells"])
-    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "throughput"}
+    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "throughput", "memory"}
     assert data["plot"] is None
 
 
@@ -102,6 +102,9 @@ def test_channel_host_bench_runs_and_writes_json(tmp_path):
     assert tput["status"] == "ok" and tput["per_second"] > 0 and tput["size"] == 1 << 20, tput
     assert data["targets"]["throughput"]["measured"] == {"channel-host": tput["per_second"]}
     assert "channel throughput >= 20,000/s" in out.stdout
+    mem = data["targets"]["memory"]["per_mechanism"]["channel-host"]
+    assert mem["hand_offs"] == tput["count"] and mem["fds_grew"] == 0 and mem["met"] is True, mem
+    assert 0 <= mem["pool_overhead_bytes"] <= mem["chunk_bytes"]
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")

@@ -132,6 +132,24 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     dev = tp.get("channel", {})
     th["met"] = None if dev.get("status") != "ok" else dev["per_second"] >= 20000
     out["throughput"] = th
+    # 6. memory over the throughput run: pool overhead <= one chunk beyond what is live; no fd or device-memory growth
+    mem: dict[str, Any] = {"target": "pool capacity at most one chunk beyond the live bytes; no growth of fds or "
+                                     "device memory over the throughput run", "per_mechanism": {}}
+    verdicts = []
+    for name, res in tp.items():
+        prod = res.get("producer")
+        if res.get("status") != "ok" or not prod:
+            continue
+        overhead = prod["pool_capacity"] - prod["live_bytes"]
+        grew = max(prod["fds_grew"], res.get("consumer_fds_grew", 0), 0)
+        fell = prod.get("free_device_memory_fell") or 0
+        ok = overhead <= prod["chunk_bytes"] and grew == 0 and fell <= 0
+        mem["per_mechanism"][name] = {"hand_offs": res["count"], "pool_overhead_bytes": overhead,
+                                      "chunk_bytes": prod["chunk_bytes"], "fds_grew": grew,
+                                      "free_device_memory_fell": prod.get("free_device_memory_fell"), "met": ok}
+        verdicts.append(ok)
+    mem["met"] = all(verdicts) if verdicts else None
+    out["memory"] = mem
     return out
 
 
@@ -243,6 +261,12 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     if th["met"] is None and th["measured"].get("channel-host"):
         detail += " (the target is for a device pool: channel)"
     w(f"  channel throughput >= 20,000/s (1 MiB, pipelined): {_verdict(th['met'])}  {detail}\n")
+    mem = t["memory"]
+    detail = "; ".join(f"{k}: overhead {v['pool_overhead_bytes'] / MiB:.1f} MiB (chunk {v['chunk_bytes'] / MiB:.1f} MiB), "
+                       f"fds +{v['fds_grew']}" + (f", device memory -{v['free_device_memory_fell']} B"
+                                                   if v["free_device_memory_fell"] else "")
+                       + f" over {v['hand_offs']:,} hand-offs" for k, v in mem["per_mechanism"].items()) or "not measured"
+    w(f"  channel pool overhead <= 1 chunk, no growth: {_verdict(mem['met'])}  {detail}\n")
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:

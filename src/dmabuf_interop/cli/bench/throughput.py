@@ -5,6 +5,11 @@ The producer lends ``size``-byte blocks of a :class:`~dmabuf_interop.channel.Sha
 when the ring comes round to it; the consumer receives and releases each. The rate is the
 consumer's: hand-offs after :data:`WARMUP` divided by the time they took. Both ends run as
 separate processes started here (``python -m dmabuf_interop.cli.bench.throughput``).
+
+Growth is reported beside the rate: each process's open fds, and for a device pool the free
+device memory (``cuMemGetInfo``), after :data:`WARMUP` hand-offs and after the last; and the
+producer's pool capacity against the bytes live (the ring), whose difference is the pool's
+overhead.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ IN_FLIGHT = 32
 WARMUP = 1000
 
 
-def measure(host: bool, devices: tuple[int, int], count: int = 20000, size: int = 1 << 20,
+def measure(host: bool, devices: tuple[int, int], count: int = 100_000, size: int = 1 << 20,
             timeout: float = 120.0) -> dict[str, Any]:
     """Run one producer and one consumer; ``{"status", "per_second", "count", "size", ...}``."""
     with tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-") as tmp:
@@ -39,18 +44,36 @@ def measure(host: bool, devices: tuple[int, int], count: int = 20000, size: int 
                 _, err = producer.communicate(timeout=timeout)
                 return {"status": "error", "reason": (err.strip().splitlines() or ["producer failed"])[-1]}
             consumer = subprocess.run(cmd + ["consumer"] + args, capture_output=True, text=True, timeout=timeout)
-            producer.communicate(timeout=timeout)
+            produced, _ = producer.communicate(timeout=timeout)
         finally:
             if producer.poll() is None:
                 producer.kill()
                 producer.wait()
         if consumer.returncode != 0:
             return {"status": "error", "reason": (consumer.stderr.strip().splitlines() or ["consumer failed"])[-1]}
-        return {"status": "ok", **json.loads(consumer.stdout.strip().splitlines()[-1])}
+        out = {"status": "ok", **json.loads(consumer.stdout.strip().splitlines()[-1])}
+        lines = produced.strip().splitlines()
+        if producer.returncode == 0 and lines:
+            out["producer"] = json.loads(lines[-1])
+        return out
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir used
+
+
+def _free_device_memory(device: int | None) -> int | None:
+    if device is None:
+        return None
+    from ... import _driver as driver
+
+    driver.set_current(device)
+    return driver.mem_get_info()[0]
 
 
 def _producer(cfg: dict[str, Any]) -> None:
-    from ...channel import SharedPool, listen
+    from ..._checks import round_up
+    from ...channel import ALIGN, SharedPool, listen
 
     size, n = cfg["size"], cfg["count"]
     room = (IN_FLIGHT + 2) * size
@@ -60,7 +83,11 @@ def _producer(cfg: dict[str, Any]) -> None:
         ch = listener.accept(timeout=cfg["timeout"])
         ring = [pool.empty(size, "uint8", timeout=cfg["timeout"]) for _ in range(IN_FLIGHT)]
         leases: list[Any] = [None] * IN_FLIGHT
+        device = pool.device
+        at = {}
         for i in range(n):
+            if i == WARMUP:
+                at = {"fds": _fds(), "free": _free_device_memory(device)}
             slot = i % IN_FLIGHT
             if leases[slot] is not None:
                 leases[slot].wait(cfg["timeout"])
@@ -68,7 +95,13 @@ def _producer(cfg: dict[str, Any]) -> None:
         for lease in leases:
             if lease is not None:
                 lease.wait(cfg["timeout"])
+        free = _free_device_memory(device)
+        report = {"fds_grew": _fds() - at["fds"],
+                  "free_device_memory_fell": None if free is None else at["free"] - free,
+                  "pool_capacity": pool.capacity, "live_bytes": IN_FLIGHT * round_up(size, ALIGN),
+                  "chunk_bytes": pool.chunk_bytes}
         ch.close()
+    print(json.dumps(report), flush=True)
 
 
 def _consumer(cfg: dict[str, Any]) -> None:
@@ -77,13 +110,16 @@ def _consumer(cfg: dict[str, Any]) -> None:
     n = cfg["count"]
     with connect(cfg["address"], timeout=cfg["timeout"], device=None if cfg["host"] else cfg["devices"][1]) as ch:
         t0 = 0.0
+        fds0 = 0
         for i in range(n):
             if i == WARMUP:
                 t0 = time.perf_counter()
+                fds0 = _fds()
             ch.recv(cfg["timeout"]).release()
         elapsed = time.perf_counter() - t0
+        fds_grew = _fds() - fds0
     print(json.dumps({"per_second": round((n - WARMUP) / elapsed), "count": n - WARMUP, "size": cfg["size"],
-                      "in_flight": IN_FLIGHT, "host": cfg["host"]}))
+                      "in_flight": IN_FLIGHT, "host": cfg["host"], "consumer_fds_grew": fds_grew}))
 
 
 if __name__ == "__main__":
