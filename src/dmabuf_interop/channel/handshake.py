@@ -1,8 +1,9 @@
-"""The messages every channel connection begins with, local (:mod:`.rendezvous`) or ``tcp://`` (:mod:`.remote`).
+"""How every channel connection begins, local (:mod:`.rendezvous`) or ``tcp://`` (:mod:`.remote`).
 
 ``hello`` carries the protocol and library versions, the kernel's boot id, the
 GPUs this process sees and its pid; ``refuse`` carries the reason a side will
-not go on, after which it closes the connection.
+not go on, after which it closes the connection. :class:`ListenerBase` is what
+both kinds of listener share: the accept loop and closing.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import os
 import socket
 from typing import Any
 
-from ..errors import PeerClosedError, PeerRefusedError, ProtocolError
+from .._time import deadline_after
+from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError
 from .protocol import PROTOCOL_VERSION, host_boot_id, parse_message
 from .wire import recv_frame, send_frame
 
-__all__ = ["hello", "refuse", "recv_hello"]
+__all__ = ["hello", "refuse", "recv_hello", "ListenerBase"]
 
 
 def hello(overrides: dict[str, Any] | None, gpus: list[str]) -> dict[str, Any]:
@@ -58,3 +60,53 @@ def recv_hello(sock: socket.socket, timeout: float | None) -> dict[str, Any]:
     if kind != "hello":
         raise ProtocolError(f"expected a hello message, got {kind!r}")
     return msg
+
+
+class ListenerBase:
+    """The accept loop and closing of a listener; a subclass sets ``address`` and ``_sock`` and
+    implements :meth:`_accept_one` (one connection and its handshake) and :meth:`close`."""
+
+    address: str
+    _sock: socket.socket
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def accept(self, timeout: float | None = 60.0) -> Any:
+        """Wait for the next consumer and return its channel.
+
+        A connection whose peer left before or during the handshake (a client
+        that gave up waiting, the liveness check of a second ``listen`` on the
+        same address) is closed and skipped: the wait goes on for the next one.
+        The subclass's :meth:`_accept_one` names the other errors.
+
+        Raises:
+            InvalidArgumentError: the listener is closed.
+        """
+        if self.closed:
+            raise InvalidArgumentError(f"the listener on {self.address} is closed")
+        deadline = deadline_after(timeout)
+        while True:
+            try:
+                return self._accept_one(deadline)
+            except PeerClosedError:
+                continue  # that peer is gone; the deadline still bounds the wait
+
+    def _accept_one(self, deadline: float | None) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self) -> "ListenerBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.address!r} {'closed' if self.closed else 'open'}>"

@@ -39,7 +39,7 @@ from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, 
                       SyscallError, TransferError, WaitTimeoutError)
 from .auth import authenticate_connector, authenticate_listener, load_secret
 from .channel import MAX_CHUNKS, Channel, PeerInfo, Received
-from .handshake import hello, recv_hello, refuse
+from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import Block, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, visible_gpu_uuids
 from .wire import recv_frame, send_frame
@@ -574,7 +574,7 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
     return ch
 
 
-class RemoteListener:
+class RemoteListener(ListenerBase):
     """A listening ``tcp://`` address; :meth:`accept` hands out one :class:`RemoteChannel` per consumer."""
 
     def __init__(self, sock: socket.socket, secret: bytes, *, pool: SharedPool | None, device: int | None,
@@ -587,22 +587,23 @@ class RemoteListener:
         host, port = sock.getsockname()[:2]
         self.address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
 
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
     def accept(self, timeout: float | None = 60.0) -> RemoteChannel:
         """Wait for the next consumer, authenticate it and return its channel.
 
         Raises:
             WaitTimeoutError: no consumer (or no complete handshake) within ``timeout`` seconds.
             PeerRefusedError: wrong shared secret (the peer is told), a protocol mismatch, or the peer refused us.
-            ProtocolError: a malformed handshake message. PeerClosedError: the peer left during the handshake.
+            ProtocolError: a malformed handshake message.
             TransferError: NIXL could not create the agent or load the peer's metadata.
+            InvalidArgumentError: the listener is closed.
+
+        A connection whose peer left before or during the handshake is skipped.
         """
-        from .._time import deadline_after
+        return super().accept(timeout)
+
+    def _accept_one(self, deadline: float | None) -> RemoteChannel:
         from ..fdpass import _wait_readable
 
-        deadline = deadline_after(timeout)
         _wait_readable(self._sock, deadline, "a channel consumer to connect")
         try:
             conn, _ = self._sock.accept()
@@ -623,15 +624,6 @@ class RemoteListener:
     @property
     def closed(self) -> bool:
         return self._sock.fileno() < 0
-
-    def __enter__(self) -> "RemoteListener":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<RemoteListener {self.address!r} {'closed' if self.closed else 'open'}>"
 
 
 def listen_remote(address: str, *, pool: SharedPool | None = None, device: int | None = None, backlog: int = 64,

@@ -21,9 +21,9 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, SyscallError, WaitTimeoutError
+from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
 from .channel import Channel, PeerInfo
-from .handshake import hello, recv_hello, refuse
+from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import SharedPool
 from .protocol import visible_gpu_uuids
 from .wire import send_frame
@@ -90,7 +90,7 @@ def _unlink_if_ours(path: str, ino: tuple[int, int]) -> None:
         pass
 
 
-class Listener:
+class Listener(ListenerBase):
     """A listening channel address; :meth:`accept` hands out one :class:`Channel` per consumer.
 
     Created by :func:`listen`; close it (or leave a ``with`` block) to stop
@@ -120,9 +120,6 @@ class Listener:
         if path is not None and ino is not None:
             _unlink_if_ours(path, ino)
 
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
     def accept(self, timeout: float | None = 60.0) -> Channel:
         """Wait for the next consumer and return its channel.
 
@@ -142,16 +139,7 @@ class Listener:
             ProtocolError: the peer's hello was malformed.
             InvalidArgumentError: the listener is closed.
         """
-        from .._time import deadline_after as _deadline
-
-        if self.closed:
-            raise InvalidArgumentError(f"the listener on {self.address} is closed")
-        deadline = _deadline(timeout)
-        while True:
-            try:
-                return self._accept_one(deadline)
-            except PeerClosedError:
-                continue  # that peer is gone; the deadline still bounds the wait
+        return super().accept(timeout)
 
     def _accept_one(self, deadline: float | None) -> Channel:
         from ..fdpass import _wait_readable
@@ -190,15 +178,6 @@ class Listener:
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
-
-    def __enter__(self) -> "Listener":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<Listener {self.address!r} {'closed' if self.closed else 'open'}>"
 
 
 def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
