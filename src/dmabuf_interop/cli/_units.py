@@ -9,9 +9,10 @@ prefixes, fractions, exponents, whitespace inside, anything above :data:`MAX_SIZ
 
 from __future__ import annotations
 
+import argparse
 import re
 
-__all__ = ["MAX_SIZE", "SIZE_FORMS", "parse_size"]
+__all__ = ["MAX_SIZE", "SIZE_FORMS", "parse_size", "word_size_argument"]
 
 #: Largest size accepted, 4 TiB: beyond any GPU or host memory, below every C integer limit.
 MAX_SIZE = 1 << 42
@@ -37,4 +38,20 @@ def parse_size(text: str) -> int:
     value = int(m.group(1), 16) if m.group(1) is not None else int(m.group(2)) * _SUFFIX[m.group(3).lower()]
     if value > MAX_SIZE:
         raise ValueError(f"invalid size {text!r}: at most {MAX_SIZE} bytes (4 TiB)")
+    return value
+
+
+def word_size_argument(text: str) -> int:
+    """An argparse ``type``: :func:`parse_size`, then a positive multiple of 4 bytes (the
+    pattern and read kernels work in 32-bit words).
+
+    Raises:
+        argparse.ArgumentTypeError: a form :func:`parse_size` refuses, 0, or not a multiple of 4.
+    """
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0 or value % 4:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be a positive multiple of 4 bytes")
     return value

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from .. import __version__
 from ..kinds import MECHANISM_NAMES
-from ._units import SIZE_FORMS, parse_size
+from ._units import SIZE_FORMS, word_size_argument
 from .demos import AUTO
 
 __all__ = ["main", "build_parser"]
@@ -45,16 +45,6 @@ class _Parser(argparse.ArgumentParser):
 
 #: Longest wait handed to subprocess and poll (about 11.6 days; poll takes an int of ms); longer ``--timeout`` values mean this.
 MAX_WAIT = 1e6
-
-
-def _size(text: str) -> int:
-    try:
-        value = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value <= 0 or value % 4:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be a positive multiple of 4 bytes")
-    return value
 
 
 def _timeout(text: str) -> float:
@@ -106,7 +96,7 @@ def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
                    help="dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc")
     p.add_argument("--device", type=_device, default=d(0), action=_Store,
                    help="CUDA ordinal for demos 1 and 2 (default 0)")
-    p.add_argument("--size", type=_size, default=d(16384), action=_Store,
+    p.add_argument("--size", type=word_size_argument, default=d(16384), action=_Store,
                    help=f"bytes to share, a multiple of 4 (default 16384): {SIZE_FORMS}")
     p.add_argument("--timeout", type=_timeout, default=d(60.0), action=_Store,
                    help="seconds any wait on a peer process may take (default 60)")

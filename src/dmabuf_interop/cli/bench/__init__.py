@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .._units import parse_size
+from .._units import word_size_argument
 from .catalog import CUDA_FREE, MECHANISMS
 from .report import JSON_SCHEMA, size_label
 
@@ -37,20 +37,16 @@ DEFAULT_SIZES = (4 << 10, 1 << 20, 64 << 20, 1 << 30)
 
 
 def parse_sizes(text: str) -> list[int]:
-    """``"4K,1M,64M,1G"`` -> byte counts, duplicates dropped (each entry as :func:`~.._units.parse_size`).
+    """``"4K,1M,64M,1G"`` -> byte counts, duplicates dropped (each entry as
+    :func:`~.._units.word_size_argument`).
 
     Raises:
-        argparse.ArgumentTypeError: an empty list, an entry :func:`~.._units.parse_size`
-            refuses, or a size that is not a multiple of 4 bytes (the read kernel reads 32-bit words).
+        argparse.ArgumentTypeError: an empty list, or an entry :func:`~.._units.word_size_argument`
+            refuses (a bad form, 0, not a multiple of 4 bytes: the read kernel reads 32-bit words).
     """
     out: list[int] = []
     for part in (p.strip() for p in text.split(",")):
-        try:
-            n = parse_size(part)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if n <= 0 or n % 4:
-            raise argparse.ArgumentTypeError(f"invalid size {part.strip()!r}: must be a positive multiple of 4 bytes")
+        n = word_size_argument(part)
         if n not in out:
             out.append(n)
     return out
