@@ -13,7 +13,6 @@ import time
 import pytest
 
 from dmabuf_interop import errors, fdpass
-from dmabuf_interop.fd import open_fds
 from dmabuf_interop.fdpass import DEFAULT_TIMEOUT, SO_PASSPIDFD, recv_message, send_message
 from dmabuf_interop.procs import wait_child
 from tests.helpers import fork_child
@@ -21,18 +20,7 @@ from tests.helpers import fork_child
 HEADER = struct.Struct(">I")
 
 
-@pytest.fixture(autouse=True)
-def no_fd_leak():
-    before = open_fds()
-    yield
-    assert open_fds() == before
-
-
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with a, b:
-        yield a, b
+pytestmark = pytest.mark.usefixtures("no_fd_leak")  # every test here touches fds
 
 
 @pytest.fixture

@@ -35,21 +35,7 @@ from tests.helpers import fork_child as _fork
 HEADER = struct.Struct(">I")
 
 
-@pytest.fixture(autouse=True)
-def no_fd_leak():
-    """Every test here touches fds: the set of open fds must be the same after it."""
-    before = open_fds()
-    yield
-    after = open_fds()
-    assert after == before, f"fd leak: opened {sorted(set(after) - set(before))}, " \
-                            f"closed {sorted(set(before) - set(after))}"
-
-
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with a, b:
-        yield a, b
+pytestmark = pytest.mark.usefixtures("no_fd_leak")  # every test here touches fds
 
 
 @pytest.fixture
