@@ -192,3 +192,17 @@ PROTO_INFO = """\
 def test_ucx_read_transports_parses_proto_info() -> None:
     assert ucx_read_transports(PROTO_INFO) == ["tcp/lo", "cuda_ipc/cuda"]
     assert ucx_read_transports("") == []
+
+
+@pytest.mark.nixl
+def test_remote_listener_skips_a_peer_that_left_and_refuses_accept_once_closed() -> None:
+    from dmabuf_interop.errors import WaitTimeoutError
+
+    listener = listen("tcp://127.0.0.1:0", token=TOKEN)
+    host, port = listener.address[len("tcp://"):].rsplit(":", 1)
+    socket.create_connection((host, int(port)), timeout=5).close()  # connects, then leaves
+    with pytest.raises(WaitTimeoutError):  # the departed peer is skipped; nobody else comes
+        listener.accept(0.5)
+    listener.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        listener.accept(1)
