@@ -179,6 +179,7 @@ def main() -> int:
         k = int(sys.argv[3])
         ch = connect(addr, timeout=60)
         held = [ch.recv(60) for _ in range(k)]
+        time.sleep(0.05)  # the releases of what was READ go out within RELEASE_DELAY (2 ms)
         print(f"held {k}", flush=True)
         if mode == "consumer-hold":
             time.sleep(600)

@@ -872,6 +872,12 @@ class Channel:
                 self._held[lease_id] = left
                 return
             self._held.pop(lease_id, None)
+        self._queue_release(lease_id)
+
+    def _queue_release(self, lease_id: int) -> None:
+        """Have the flusher thread send the release of ``lease_id`` (within :data:`RELEASE_DELAY`,
+        or sooner when :meth:`recv` is about to wait), off the caller's path."""
+        with self._state:
             if self._eof or self._closed:
                 return
             self._pending.append(lease_id)

@@ -395,12 +395,11 @@ class RemoteChannel(Channel):
         return out
 
     def _consumed(self, lease_id: int) -> None:
-        """The READ of the producer's lease is over: release it now."""
+        """The READ of the producer's lease is over: release it (sent by the flusher thread, so that
+        the next READ need not wait for this send)."""
         with self._state:
             self._held.pop(lease_id, None)
-            if not (self._eof or self._closed):
-                self._pending.append(lease_id)
-        self._flush()
+        self._queue_release(lease_id)
 
     def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
         """Read the next array straight into ``out`` with one NIXL ``READ``, then release the producer's lease.
