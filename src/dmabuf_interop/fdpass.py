@@ -101,8 +101,7 @@ def _check_unix(sock: socket.socket) -> None:
         raise InvalidArgumentError(f"expected a socket.socket, got {type(sock).__name__}")
     if sock.fileno() == -1:
         raise InvalidArgumentError("the socket is closed")
-    # The C-level family (an int): socket.socket.family converts it to an enum on every read.
-    if _socket.socket.family.__get__(sock) != socket.AF_UNIX:
+    if _family(sock) != socket.AF_UNIX:
         raise InvalidArgumentError(
             f"fds can only pass over AF_UNIX sockets (SCM_RIGHTS); this socket is {sock.family!r}")
 
@@ -118,6 +117,11 @@ def _timeout_mode(sock: socket.socket) -> bool:
 # Plain ints: socket's flags are enums, and combining enums costs more than the syscall.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_CTRUNC = int(socket.MSG_CTRUNC)
+_STREAM = int(socket.SOCK_STREAM)
+# The C-level family and type (ints): socket.socket.family / .type convert to an enum on every read.
+_family = _socket.socket.family.__get__
+_type = _socket.socket.type.__get__
 #: One encoder for every message (``json.dumps`` with options builds a new one per call).
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
@@ -214,7 +218,7 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
                 continue
             view = view[sent:]
     except BaseException as exc:
-        if len(view) < len(data) and sock.type == socket.SOCK_STREAM:
+        if len(view) < len(data) and _type(sock) == _STREAM:
             _broken_send[sock] = f"{len(data) - len(view)} of {len(data)} bytes sent, then {exc}"
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
             raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
@@ -354,7 +358,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
                  rest_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``)."""
     _check_in_step(sock, _broken_recv, "receive")
-    stream = sock.type == socket.SOCK_STREAM
+    stream = _type(sock) == _STREAM
     fds: list[int] = []
     started = False
     # On a stream socket read only the header first, so that the next message
@@ -391,7 +395,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
         started = False  # the whole frame is in: the connection is in step whatever follows
         if len(data) > want:
             raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
-        if flags & socket.MSG_CTRUNC:
+        if flags & _CTRUNC:
             narrived = len(fds)
             close_fds(fds)  # first: at the limit, counting open fds needs a free one
             fds.clear()

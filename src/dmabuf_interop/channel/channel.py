@@ -41,6 +41,8 @@ __all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for", "release
 MAX_CHUNKS = 4096
 #: How long a released block may wait to be batched with others before its ``release`` message goes out, seconds.
 RELEASE_DELAY = 0.002
+#: A release this long after the last ``release`` message goes out at once, in the caller's thread, seconds.
+RELEASE_GAP = 0.0002
 
 _lease_ids = itertools.count(1)
 
@@ -515,6 +517,7 @@ class Channel:
         self._imports: dict[int, _ImportedChunk] = {}
         self._held: dict[int, int] = {}  # peer lease id -> items still held here
         self._pending: list[int] = []
+        self._last_flush = 0.0  # time.monotonic() of the last release message
         self._opened_events: dict[bytes, Any] = {}
         self._flusher: threading.Thread | None = None
         # The flusher has its own wake-up, so that it never competes with recv() for the GIL
@@ -541,12 +544,15 @@ class Channel:
 
     def _send(self, obj: dict[str, Any], fd: int | None = None) -> None:
         with self._send_lock:
-            if self._eof or self._closed:
-                raise PeerClosedError("the channel is closed") from self._error
-            if fd is None:
-                send_frame(self._sock, obj)
-            else:
-                send_message(self._sock, obj, fd)
+            self._send_locked(obj, fd)
+
+    def _send_locked(self, obj: dict[str, Any], fd: int | None = None) -> None:
+        if self._eof or self._closed:
+            raise PeerClosedError("the channel is closed") from self._error
+        if fd is None:
+            send_frame(self._sock, obj)
+        else:
+            send_message(self._sock, obj, fd)
 
     def _announce(self, block: Block) -> None:
         chunk = block.chunk
@@ -874,25 +880,42 @@ class Channel:
             self._held.pop(lease_id, None)
         self._queue_release(lease_id)
 
-    def _queue_release(self, lease_id: int) -> None:
-        """Have the flusher thread send the release of ``lease_id`` (within :data:`RELEASE_DELAY`,
-        or sooner when :meth:`recv` is about to wait), off the caller's path."""
+    def _queue_release(self, lease_id: int, *, inline: bool = True) -> None:
+        """Send the release of ``lease_id``: now, in the caller's thread, when no release went out
+        within :data:`RELEASE_GAP` (so the exporter reads it before its next send, not during it);
+        else the flusher thread sends it with the others of the burst, within :data:`RELEASE_DELAY`
+        or sooner when :meth:`recv` is about to wait. ``inline=False``: always the flusher."""
         with self._state:
             if self._eof or self._closed:
                 return
             self._pending.append(lease_id)
+            inline = inline and len(self._pending) == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP
+        # Non-blocking: a finaliser may run this inside a send of this very thread.
+        if inline and self._send_lock.acquire(blocking=False):
+            try:
+                self._flush(send_lock_held=True)
+            finally:
+                self._send_lock.release()
+            return
+        with self._state:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",
                                                  daemon=True)
                 self._flusher.start()
         self._flush_wake.set()
 
-    def _flush(self) -> None:
+    def _flush(self, *, send_lock_held: bool = False) -> None:
         with self._state:
             ids, self._pending = self._pending, []
+            if ids:
+                self._last_flush = time.monotonic()
         if ids:
+            msg = {"kind": "release", "leases": ids}
             try:
-                self._send({"kind": "release", "leases": ids})
+                if send_lock_held:
+                    self._send_locked(msg)
+                else:
+                    self._send(msg)
             except (PeerClosedError, OSError):
                 pass  # the exporter is gone: it has released everything already
 

@@ -399,7 +399,7 @@ class RemoteChannel(Channel):
         the next READ need not wait for this send)."""
         with self._state:
             self._held.pop(lease_id, None)
-        self._queue_release(lease_id)
+        self._queue_release(lease_id, inline=False)
 
     def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
         """Read the next array straight into ``out`` with one NIXL ``READ``, then release the producer's lease.

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._time import deadline_after
 from ..errors import InvalidArgumentError
-from ..fdpass import _recv_framed, _send_all, encode_message, recv_message, send_message
+from ..fdpass import _family, _recv_framed, _send_all, encode_message, recv_message, send_message
 
 __all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
 
@@ -33,7 +33,7 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
         PeerClosedError: the peer has gone (``EPIPE`` / ``ECONNRESET``).
         WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
     """
-    if sock.family == socket.AF_UNIX:
+    if _family(sock) == socket.AF_UNIX:
         send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME)
     else:  # fdpass's public calls refuse sockets that cannot carry an fd; this frame carries none
         _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout))
@@ -50,7 +50,7 @@ def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, An
         ProtocolError: a truncated control message, bad framing, or a body that is not a JSON object
             (every fd that arrived is closed first).
     """
-    if sock.family == socket.AF_UNIX:
+    if _family(sock) == socket.AF_UNIX:
         return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
     return _recv_framed(_tcp(sock), deadline_after(timeout), 0, MAX_FRAME, REST_TIMEOUT)
 
