@@ -429,6 +429,55 @@ def test_send_many_refuses_what_the_receiver_would_refuse(addr: str, pool: Share
         x.close()
 
 
+def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel.protocol import MAX_LAYOUTS
+
+    listener, prod, cons = pair(addr, pool)
+    state = {"w": pool.empty((4, 3), "int32"), "b": pool.empty(5, "float64")}
+    for step in range(3):  # a trainer's loop: the same tensors, new values, every step
+        state["w"][:] = step
+        state["b"][:] = step / 2
+        lease = prod.send_many(state, meta={"step": step})
+        got = cons.recv_many(5)
+        assert got["w"].meta == {"step": step} and got["b"].meta is None
+        assert (got["w"].as_array() == step).all() and (got["b"].as_array() == step / 2).all()
+        release_all(got.values())
+        lease.wait(5)
+    assert len(prod._layouts_sent) == len(cons._layouts) == 1  # defined once, repeated twice
+    # More layouts than either end remembers: the oldest is forgotten on both sides alike
+    extra = [pool.empty(i + 1, "uint8") for i in range(MAX_LAYOUTS)]
+    for a in extra:
+        prod.send_many([a])
+        release_all(cons.recv_many(5))
+    assert len(prod._layouts_sent) == len(cons._layouts) == MAX_LAYOUTS
+    state["w"][:] = 7
+    lease = prod.send_many(state, meta={"step": 7})  # defined again, not repeated
+    got = cons.recv_many(5)
+    assert got["w"].meta == {"step": 7} and (got["w"].as_array() == 7).all()
+    release_all(got.values())
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_a_batch_lease_is_released_when_its_last_item_goes(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send_many([np.arange(4), np.zeros(3)])
+    a, b = cons.recv_many(5)
+    a.release()
+    assert a.released and not b.released
+    del a
+    gc.collect()
+    time.sleep(0.05)
+    assert not lease.done  # b still holds the batch
+    del b
+    gc.collect()  # the safety net: every item of the batch is gone
+    lease.wait(2)
+    assert lease.reason == "released"
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_pool_retires_idle_chunks_to_make_room_for_a_larger_block() -> None:
     with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as p:
         blocks = [p.empty(1 << 20, "uint8") for _ in range(4)]  # four 1 MiB chunks: the pool is full

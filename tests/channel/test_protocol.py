@@ -136,6 +136,15 @@ def desc(**kw) -> dict:
     ("release of a lease never lent", lambda c: send_frame(c, {"kind": "release", "leases": [7]}), "unknown lease"),
     ("hello again", lambda c: send_frame(c, {"kind": "hello", "protocol": 1, "library": "x", "boot_id": "b",
                                              "gpus": [], "pid": 1}), "after the handshake"),
+    ("repeat of a layout never defined", lambda c: send_frame(c, {"kind": "repeat", "lease": 1, "layout": 3,
+                                                                  "ordering": "none", "event": None, "meta": None}),
+     "unknown layout"),
+    ("repeat with an extra field", lambda c: send_frame(c, {"kind": "repeat", "lease": 1, "layout": 3, "items": [],
+                                                            "ordering": "none", "event": None, "meta": None}),
+     "wrong fields"),
+    ("repeat with an event but sync", lambda c: send_frame(c, {"kind": "repeat", "lease": 1, "layout": 3,
+                                                               "ordering": "sync", "event": "AAAA", "meta": None}),
+     "event handle came with"),
 ])
 def test_hostile_messages_close_the_channel(tmp_path: Path, name: str, script, text: str) -> None:
     addr = str(tmp_path / "h.sock")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import itertools
 import math
 import os
@@ -32,7 +33,7 @@ from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, Peer
 from ..fd import OwnedFd
 from ..fdpass import close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
-from .protocol import DTYPES, MAX_ITEMS, MAX_META_BYTES, ArrayDescriptor, parse_message
+from .protocol import DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, ArrayDescriptor, parse_message
 from .wire import send_frame, recv_frame
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for", "release_all"]
@@ -157,11 +158,37 @@ class _ImportedChunk:
             self.buf.close()
 
 
-def _finalize_received(channel_ref: Any, lease_id: int, chunk: _ImportedChunk) -> None:
+def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[_ImportedChunk]) -> None:
     ch = channel_ref()
     if ch is not None:
-        ch._release_item(lease_id)
-    chunk.release()
+        ch._release_lease(lease_id)
+    for chunk in chunks:
+        chunk.release()
+
+
+class _Hold:
+    """What the items of one array message hold together: the peer's lease, released once every
+    item is released (or, as a safety net, when the last of them is collected), and one reference
+    on each chunk they lie in. One per message, so a batch of thousands pays one finaliser."""
+
+    __slots__ = ("left", "lock", "fin", "__weakref__")
+
+    def __init__(self, channel: "Channel", lease_id: int, chunks: list[_ImportedChunk], items: int) -> None:
+        self.left = items
+        self.lock = threading.Lock()
+        for chunk in chunks:
+            chunk.retain()
+        self.fin = weakref.finalize(self, _finalize_hold, weakref.ref(channel), lease_id, chunks)
+
+    def release(self, items: "Iterable[Received]") -> None:
+        with self.lock:
+            for r in items:
+                if not r._done:
+                    r._done = True
+                    self.left -= 1
+            last = self.left <= 0
+        if last:
+            self.fin()
 
 
 class _Keep:
@@ -211,7 +238,8 @@ class _BatchViews:
 
 
 class Received:
-    """One array from the peer, held until :meth:`release` (or collection).
+    """One array from the peer, held until :meth:`release`, or as a safety net until it and the other
+    items of its ``recv_many`` batch have all been collected (the lease covers the whole batch).
 
     Attributes:
         shape: elements per dimension. dtype: the wire dtype name. strides: bytes per dimension.
@@ -220,8 +248,8 @@ class Received:
         device: the importing CUDA ordinal, or ``-1`` for host memory.
     """
 
-    def __init__(self, channel: "Channel", lease_id: int, desc: ArrayDescriptor, chunk: _ImportedChunk,
-                 stream: int) -> None:
+    def __init__(self, hold: _Hold, lease_id: int, desc: ArrayDescriptor, chunk: _ImportedChunk,
+                 stream: int, ordering: str | None = None) -> None:
         self.descriptor = desc
         self.lease_id = lease_id
         self.shape = desc.shape
@@ -229,21 +257,21 @@ class Received:
         self.strides = desc.strides
         self.meta = desc.meta
         self.name = desc.name
-        self.ordering = desc.ordering
+        self.ordering = ordering or desc.ordering  # a repeated layout's descriptors keep their first ordering
         self.device: int = chunk.buf.device
         self._stream = stream
         self._chunk = chunk
         self._ptr = chunk.buf.ptr + desc.block_offset + desc.byte_offset
         self._batch: _BatchViews | None = None
-        chunk.retain()
-        self._fin = weakref.finalize(self, _finalize_received, weakref.ref(channel), lease_id, chunk)
+        self._hold = hold  # the chunk stays mapped, and the lease held, while this lives
+        self._done = False
 
     @property
     def released(self) -> bool:
-        return not self._fin.alive
+        return self._done or not self._hold.fin.alive
 
     def _check(self) -> None:
-        if not self._fin.alive:
+        if self._done or not self._hold.fin.alive:
             raise InvalidArgumentError("this Received was released; its block may already hold other data")
 
     def _span(self) -> int:
@@ -331,14 +359,14 @@ class Received:
         ``synchronize=False`` skips that, for a caller that has synchronised already
         (:func:`release_all` does it once for many).
         """
-        if not self._fin.alive:
+        if self.released:
             return
         if synchronize and self.device >= 0 and self._stream is not None:
             from .. import _driver as driver
 
             driver.set_current(self.device)
             driver.stream_synchronize(self._stream)
-        self._fin()
+        self._hold.release((self,))
 
     def __enter__(self) -> "Received":
         return self
@@ -381,8 +409,11 @@ def release_all(items: Iterable[Received]) -> None:
             driver.set_current(r.device)
             driver.stream_synchronize(r._stream)
             synced.add((r.device, r._stream))
+    holds: dict[int, tuple[_Hold, list[Received]]] = {}
     for r in items:
-        r.release(synchronize=False)
+        holds.setdefault(id(r._hold), (r._hold, []))[1].append(r)
+    for hold, members in holds.values():
+        hold.release(members)
 
 
 def _stream_handle(stream: Any) -> int:
@@ -515,10 +546,14 @@ class Channel:
         self._announced: set[int] = set()  # our chunk ids the peer has
         self._leases: dict[int, Lease] = {}
         self._imports: dict[int, _ImportedChunk] = {}
-        self._held: dict[int, int] = {}  # peer lease id -> items still held here
+        self._held: set[int] = set()  # peer lease ids held here
         self._pending: list[int] = []
         self._last_flush = 0.0  # time.monotonic() of the last release message
         self._opened_events: dict[bytes, Any] = {}
+        # Batch layouts (see send_many): sent, key -> id; received, id -> (descs, mapping, chunk ids).
+        self._layouts_sent: dict[Any, int] = {}
+        self._layout_ids = itertools.count(1)
+        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, frozenset[int]]] = {}
         self._flusher: threading.Thread | None = None
         # The flusher has its own wake-up, so that it never competes with recv() for the GIL
         # when an array arrives; and _state is notified only when a recv() waits on it.
@@ -575,24 +610,31 @@ class Channel:
         """Find (zero-copy) or make (copy) the block holding ``array``: (block, byte_offset, shape, strides,
         dtype, copied_from_device)."""
         src = _inspect(array)
-        if src.dtype not in DTYPES:
+        itemsize = DTYPES.get(src.dtype)
+        if itemsize is None:
             raise InvalidArgumentError(f"dtype {src.dtype!r} cannot travel; accepted: {', '.join(DTYPES)}")
-        itemsize = DTYPES[src.dtype]
-        negative = any(st < 0 for st in src.strides)
-        span = (0 if any(n == 0 for n in src.shape) else
-                sum((n - 1) * st for n, st in zip(src.shape, src.strides)) + itemsize)
+        shape, strides = src.shape, tuple(src.strides)
+        span = itemsize  # bytes from the first element to one past the last; 0: nothing to find
+        for n, st in zip(shape, strides):
+            if n == 0 or st < 0:
+                span = 0
+                break
+            span += (n - 1) * st
         block = None
-        if not negative and span:
-            for p in _live_pools(self.pool):
-                block = p.find(src.ptr, span)
-                if block is not None:
-                    break
+        if span:
+            block = self.pool._find_ref(src.ptr, span) if self.pool is not None else None
+            if block is None:  # another pool alive in this process
+                for p in list(LIVE_POOLS):
+                    if p is not self.pool:
+                        block = p._find_ref(src.ptr, span)
+                        if block is not None:
+                            break
         if block is not None:
-            if any(st % itemsize for st in src.strides):
-                raise InvalidArgumentError(f"strides {src.strides} are not multiples of the itemsize {itemsize}: "
+            if itemsize > 1 and any(st % itemsize for st in strides):
+                block.pool._unref(block)
+                raise InvalidArgumentError(f"strides {strides} are not multiples of the itemsize {itemsize}: "
                                            f"DLPack cannot describe them")
-            block.pool._ref(block)
-            return block, src.ptr - block.ptr, src.shape, tuple(src.strides), src.dtype, False
+            return block, src.ptr - block.ptr, shape, strides, src.dtype, False
         if self.pool is None:
             raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
                                        "or send arrays from SharedPool.empty")
@@ -760,7 +802,7 @@ class Channel:
         if batch is None:
             msg = {"kind": "array", "lease": lease.id, "desc": descs[0]}
         else:
-            msg = {"kind": "arrays", "lease": lease.id, "items": descs, "mapping": batch == "mapping"}
+            msg = self._batch_message(lease.id, placed, descs, batch == "mapping", order, ev64, meta)
         with self._state:
             self._leases[lease.id] = lease
         try:
@@ -771,6 +813,23 @@ class Channel:
             lease._complete("closed")
             raise
         return lease
+
+    def _batch_message(self, lease_id: int, placed: list[Any], descs: list[dict[str, Any]], mapping: bool,
+                       order: str, ev64: str | None, meta: dict[str, Any] | None) -> dict[str, Any]:
+        """An ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
+        the same names in the same blocks with the same shapes, strides and dtypes (a model's
+        state dict, sent every step), so the peer validates and rebuilds nothing."""
+        key = (mapping, tuple((name, block.chunk.id, block.offset, block.size, off, shape, strides, dtype)
+                              for name, block, off, shape, strides, dtype in placed))
+        layout = self._layouts_sent.get(key)
+        if layout is not None:
+            return {"kind": "repeat", "lease": lease_id, "layout": layout, "ordering": order, "event": ev64,
+                    "meta": meta}
+        layout = next(self._layout_ids)
+        self._layouts_sent[key] = layout
+        if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
+            del self._layouts_sent[next(iter(self._layouts_sent))]
+        return {"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping, "layout": layout}
 
     @property
     def outstanding(self) -> int:
@@ -821,8 +880,12 @@ class Channel:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
 
-    def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int) -> list[Received]:
-        out = [Received(self, lease_id, d, self._imports[d.chunk], stream) for d in descs]
+    def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
+                       ordering: str | None = None) -> list[Received]:
+        imports = self._imports
+        chunks = {d.chunk: imports[d.chunk] for d in descs}
+        hold = _Hold(self, lease_id, list(chunks.values()), len(descs))
+        out = [Received(hold, lease_id, d, chunks[d.chunk], stream, ordering) for d in descs]
         for r in out:
             if r.ordering == "event":
                 from .. import _driver as driver
@@ -851,16 +914,16 @@ class Channel:
             ProtocolError: the peer broke the protocol (the connection was closed).
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
         """
-        _, lease_id, descs, _ = self._next(timeout, want_batch=False)
-        return self._make_received(lease_id, descs, _stream_handle(stream))[0]
+        _, lease_id, descs, _, ordering = self._next(timeout, want_batch=False)
+        return self._make_received(lease_id, descs, _stream_handle(stream), ordering)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None) -> dict[str, Received] | list[Received]:
         """The next ``send_many`` batch: a dict by name (for a mapping) or a list; a single array as a list of one.
 
         Raises: as :meth:`recv`.
         """
-        kind, lease_id, descs, mapping = self._next(timeout, want_batch=True)
-        out = self._make_received(lease_id, descs, _stream_handle(stream))
+        kind, lease_id, descs, mapping, ordering = self._next(timeout, want_batch=True)
+        out = self._make_received(lease_id, descs, _stream_handle(stream), ordering)
         if len(out) > 1 and out[0].device >= 0:
             views = _BatchViews()
             for r in out:
@@ -871,13 +934,10 @@ class Channel:
 
     # --- releases (importer side) -----------------------------------------------------
 
-    def _release_item(self, lease_id: int) -> None:
+    def _release_lease(self, lease_id: int) -> None:
+        """Every item of the peer's lease ``lease_id`` was released here (:class:`_Hold`)."""
         with self._state:
-            left = self._held.get(lease_id, 0) - 1
-            if left > 0:
-                self._held[lease_id] = left
-                return
-            self._held.pop(lease_id, None)
+            self._held.discard(lease_id)
         self._queue_release(lease_id)
 
     def _queue_release(self, lease_id: int, *, inline: bool = True) -> None:
@@ -971,21 +1031,30 @@ class Channel:
             if chunk is None:
                 raise ProtocolError(f"retire of unknown chunk {msg['chunk']}")
             chunk.retire()
-        elif kind in ("array", "arrays"):
+        elif kind in ("array", "arrays", "repeat"):
             lease_id = msg["lease"]
-            for d in descs:
-                chunk = self._imports.get(d.chunk)
-                if chunk is None:
-                    raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
-                if d.block_offset + d.block_bytes > chunk.size:
-                    raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies outside "
-                                        f"chunk {d.chunk} of {chunk.size} bytes")
+            ordering = None
+            if kind == "repeat":
+                descs, mapping, chunks = self._repeat(msg)
+                ordering = msg["ordering"]
+                kind = "arrays"
+            else:
+                for d in descs:
+                    chunk = self._imports.get(d.chunk)
+                    if chunk is None:
+                        raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
+                    if d.block_offset + d.block_bytes > chunk.size:
+                        raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies "
+                                            f"outside chunk {d.chunk} of {chunk.size} bytes")
+                mapping = kind == "arrays" and msg["mapping"]
+                if "layout" in msg:
+                    self._define_layout(msg["layout"], descs, mapping)
             with self._state:
                 if lease_id in self._held:
                     raise ProtocolError(f"lease {lease_id} is already held")
                 if descs:
-                    self._held[lease_id] = len(descs)
-                    self._queue.append((kind, lease_id, descs, kind == "arrays" and msg["mapping"]))
+                    self._held.add(lease_id)
+                    self._queue.append((kind, lease_id, descs, mapping, ordering))
                     if self._waiters:
                         self._state.notify_all()
                 elif not (self._eof or self._closed):
@@ -1006,6 +1075,27 @@ class Channel:
             raise PeerRefusedError(f"the peer refused this connection: {msg['reason']}")
         else:  # hello after the handshake
             raise ProtocolError(f"unexpected {kind!r} message after the handshake")
+
+    def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool) -> None:
+        if layout in self._layouts:
+            raise ProtocolError(f"layout {layout} defined twice")
+        self._layouts[layout] = (descs, mapping, frozenset(d.chunk for d in descs))
+        if len(self._layouts) > MAX_LAYOUTS:  # first in, first out, as the exporter forgets them
+            del self._layouts[next(iter(self._layouts))]
+
+    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool, frozenset[int]]:
+        """The descriptors of a ``repeat`` message: its layout's, validated when it was defined, with
+        this message's ordering, event and meta on the first (the others take ``ordering`` from the
+        Received)."""
+        found = self._layouts.get(msg["layout"])
+        if found is None:
+            raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
+        descs, mapping, chunks = found
+        for cid in chunks:
+            if cid not in self._imports:
+                raise ProtocolError(f"repeat of layout {msg['layout']} names retired chunk {cid}")
+        first = dataclasses.replace(descs[0], ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
+        return [first, *descs[1:]], mapping, chunks
 
     def _import_chunk(self, msg: dict[str, Any], fds: list[int]) -> None:
         cid, size = msg["chunk"], msg["size"]
@@ -1121,11 +1211,3 @@ class Channel:
     def __repr__(self) -> str:
         return f"<Channel peer pid={self.peer.pid} {'closed' if self.closed else 'open'}>"
 
-
-def _live_pools(pool: SharedPool | None) -> Iterable[SharedPool]:
-    """The pools an array may already live in: the channel's, then every other pool alive in this process."""
-    if pool is not None:
-        yield pool
-    for p in list(LIVE_POOLS):
-        if p is not pool:
-            yield p

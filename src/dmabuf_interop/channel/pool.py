@@ -320,15 +320,26 @@ class SharedPool:
     def find(self, ptr: int, nbytes: int) -> Block | None:
         """The live block holding ``[ptr, ptr+nbytes)`` in this process's address space, or ``None``."""
         with self._cond:
-            for chunk in self._chunks:
-                if chunk.ptr <= ptr and ptr + nbytes <= chunk.ptr + chunk.size:
-                    i = bisect.bisect_right(chunk.offsets, ptr - chunk.ptr) - 1
-                    if i >= 0:
-                        b = chunk.blocks[chunk.offsets[i]]
-                        if ptr + nbytes <= b.ptr + b.size:
-                            return b
-                    return None
+            return self._find_locked(ptr, nbytes)
+
+    def _find_locked(self, ptr: int, nbytes: int) -> Block | None:
+        for chunk in self._chunks:
+            if chunk.ptr <= ptr and ptr + nbytes <= chunk.ptr + chunk.size:
+                i = bisect.bisect_right(chunk.offsets, ptr - chunk.ptr) - 1
+                if i >= 0:
+                    b = chunk.blocks[chunk.offsets[i]]
+                    if ptr + nbytes <= b.ptr + b.size:
+                        return b
+                return None
         return None
+
+    def _find_ref(self, ptr: int, nbytes: int) -> Block | None:
+        """:meth:`find` and :meth:`_ref` under one hold of the lock, so the block cannot go in between."""
+        with self._cond:
+            b = self._find_locked(ptr, nbytes)
+            if b is not None:
+                b.refs += 1
+            return b
 
     # --- arrays --------------------------------------------------------------------
 

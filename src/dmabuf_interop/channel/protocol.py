@@ -24,6 +24,7 @@ __all__ = [
     "MAX_META_BYTES",
     "MAX_NDIM",
     "MAX_ITEMS",
+    "MAX_LAYOUTS",
     "DTYPES",
     "ORDERINGS",
     "ArrayDescriptor",
@@ -32,14 +33,17 @@ __all__ = [
     "visible_gpu_uuids",
 ]
 
-#: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 1
+#: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
+#: and ``repeat`` lends the arrays of one again).
+PROTOCOL_VERSION = 2
 #: Largest caller ``meta`` per array, as compact JSON, in bytes.
 MAX_META_BYTES = 64 * 1024
 #: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's is 64).
 MAX_NDIM = 32
 #: Largest number of arrays in one ``arrays`` message (:meth:`Channel.send_many`).
 MAX_ITEMS = 65536
+#: Layouts each end remembers: the last this many ``arrays`` messages that defined one (first in, first out).
+MAX_LAYOUTS = 16
 #: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
 MAX_INT = 1 << 62
 
@@ -205,31 +209,15 @@ class ArrayDescriptor:
             raise ProtocolError(f"strides {strides} are not multiples of the {itemsize}-byte itemsize")
         if byte_offset % itemsize:
             raise ProtocolError(f"byte_offset {byte_offset} is not a multiple of the {itemsize}-byte itemsize")
-        ordering = obj["ordering"]
-        if ordering not in ORDERINGS:
-            raise ProtocolError(f"unknown ordering {ordering!r}; accepted: {', '.join(ORDERINGS)}")
-        event = obj["event"]
-        if ordering == "event":
-            if not isinstance(event, str) or len(event) > 128:
-                raise ProtocolError("ordering 'event' needs a base64 event handle")
-            try:
-                raw = base64.b64decode(event, validate=True)
-            except ValueError as exc:
-                raise ProtocolError(f"event handle is not base64: {exc}") from exc
-            if len(raw) != _EVENT_HANDLE_BYTES:
-                raise ProtocolError(f"event handle is {len(raw)} bytes, not {_EVENT_HANDLE_BYTES}")
-        elif event is not None:
-            raise ProtocolError(f"an event handle came with ordering {ordering!r}")
+        ordering, event = obj["ordering"], obj["event"]
+        if ordering != "sync" or event is not None:
+            _check_ordering(ordering, event)
         name = obj["name"]
         if name is not None and (not isinstance(name, str) or len(name) > 4096):
             raise ProtocolError("name must be a string of at most 4096 characters, or null")
         meta = obj["meta"]
         if meta is not None:
-            if not isinstance(meta, dict):
-                raise ProtocolError(f"meta must be a JSON object or null, got {type(meta).__name__}")
-            size = len(json.dumps(meta, separators=(",", ":")).encode())
-            if size > MAX_META_BYTES:
-                raise ProtocolError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
+            _check_meta(meta)
         extent = 0 if 0 in shape else byte_offset + itemsize + sum((n - 1) * st for n, st in zip(shape, strides))
         if extent > block_bytes:
             raise ProtocolError(f"shape {shape} with strides {strides} from byte {byte_offset} reaches byte "
@@ -241,6 +229,32 @@ class ArrayDescriptor:
                              shape=shape, strides=strides, dtype=dtype, ordering=ordering, event=event, name=name,
                              meta=meta)
         return desc
+
+
+def _check_ordering(ordering: Any, event: Any) -> None:
+    if ordering not in ORDERINGS:
+        raise ProtocolError(f"unknown ordering {ordering!r}; accepted: {', '.join(ORDERINGS)}")
+    if ordering == "event":
+        if not isinstance(event, str) or len(event) > 128:
+            raise ProtocolError("ordering 'event' needs a base64 event handle")
+        try:
+            raw = base64.b64decode(event, validate=True)
+        except ValueError as exc:
+            raise ProtocolError(f"event handle is not base64: {exc}") from exc
+        if len(raw) != _EVENT_HANDLE_BYTES:
+            raise ProtocolError(f"event handle is {len(raw)} bytes, not {_EVENT_HANDLE_BYTES}")
+    elif event is not None:
+        raise ProtocolError(f"an event handle came with ordering {ordering!r}")
+
+
+def _check_meta(meta: Any) -> None:
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"meta must be a JSON object or null, got {type(meta).__name__}")
+    size = len(json.dumps(meta, separators=(",", ":")).encode())
+    if size > MAX_META_BYTES:
+        raise ProtocolError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
 
 
 # --- messages ---------------------------------------------------------------------
@@ -280,8 +294,16 @@ def _check_array(msg: dict[str, Any]) -> list[ArrayDescriptor]:
     return [ArrayDescriptor.from_json(msg["desc"])]
 
 
+_ARRAYS = frozenset({"kind", "lease", "items", "mapping"})
+_ARRAYS_LAYOUT = _ARRAYS | {"layout"}
+_REPEAT = frozenset({"kind", "lease", "layout", "ordering", "event", "meta"})
+
+
 def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
-    _keys(msg, {"kind", "lease", "items", "mapping"}, "arrays message")
+    if msg.keys() != _ARRAYS_LAYOUT:
+        _keys(msg, _ARRAYS, "arrays message")
+    else:
+        _int(msg, "layout")
     _int(msg, "lease")
     if not isinstance(msg["mapping"], bool):
         raise ProtocolError("arrays: 'mapping' must be true or false")
@@ -299,7 +321,8 @@ def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
 def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     """Validate one decoded message; returns its kind and, for array messages, the descriptors.
 
-    Kinds: ``hello``, ``refuse``, ``chunk``, ``retire``, ``array``, ``arrays``, ``release``, ``bye``.
+    Kinds: ``hello``, ``refuse``, ``chunk``, ``retire``, ``array``, ``arrays``, ``repeat``, ``release``,
+    ``bye``. A ``repeat`` names a layout that only the channel knows: it returns no descriptors.
 
     Raises:
         ProtocolError: an unknown kind or any malformed field.
@@ -321,6 +344,12 @@ def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
         return kind, _check_array(msg)
     elif kind == "arrays":
         return kind, _check_arrays(msg)
+    elif kind == "repeat":
+        _keys(msg, _REPEAT, "repeat message")
+        _int(msg, "lease")
+        _int(msg, "layout")
+        _check_ordering(msg["ordering"], msg["event"])
+        _check_meta(msg["meta"])
     elif kind == "release":
         _keys(msg, {"kind", "leases"}, "release message")
         _check_ids(msg, "leases", "release")

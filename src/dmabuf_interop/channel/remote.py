@@ -38,7 +38,7 @@ from typing import Any
 from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError, ProtocolError,
                       SyscallError, TransferError, WaitTimeoutError)
 from .auth import authenticate_connector, authenticate_listener, load_secret
-from .channel import MAX_CHUNKS, Channel, PeerInfo, Received
+from .channel import MAX_CHUNKS, Channel, PeerInfo, Received, _Hold
 from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import Block, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, visible_gpu_uuids
@@ -238,7 +238,8 @@ class _Region:
 
 
 class _LocalBlock:
-    """A block of this side's pool that a ``READ`` filled; back to the pool when its :class:`Received` goes.
+    """A block of this side's pool that a ``READ`` filled; back to the pool when its batch's
+    :class:`Received` are all released or gone.
 
     Offers what :class:`Received` reads from an imported chunk (``buf.ptr``, ``buf.device``, ``buf._mapping``).
     """
@@ -342,7 +343,7 @@ class RemoteChannel(Channel):
             raise ProtocolError(f"region metadata names agent {name!r}, not the peer's {self._remote!r}")
         self._imports[cid] = _Region(addr, size, device, msg["mem"])
 
-    def _release_item(self, lease_id: int) -> None:
+    def _release_lease(self, lease_id: int) -> None:
         pass  # the lease was released right after the READ; a Received holds only local memory
 
     def _end(self) -> None:
@@ -360,7 +361,8 @@ class RemoteChannel(Channel):
             self._own_pool._register_channel(self)
         return self._own_pool
 
-    def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int) -> list[Received]:
+    def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
+                       ordering: str | None = None) -> list[Received]:
         pool = self._recv_pool()
         blocks: list[Block] = []
         try:
@@ -387,18 +389,20 @@ class RemoteChannel(Channel):
                 pool._unref(b)
             raise
         self._consumed(lease_id)
+        local_blocks = [_LocalBlock(block) for block in blocks]
+        hold = _Hold(self, lease_id, local_blocks, len(descs))
         out = []
-        for d, block in zip(descs, blocks):
+        for d, block, lb in zip(descs, blocks, local_blocks):
             local = ArrayDescriptor(block.chunk.id, 0, block.size, 0, d.shape, d.strides, d.dtype,
                                     "none" if pool.is_host else "sync", None, d.name, d.meta)
-            out.append(Received(self, lease_id, local, _LocalBlock(block), 0))
+            out.append(Received(hold, lease_id, local, lb, 0))
         return out
 
     def _consumed(self, lease_id: int) -> None:
         """The READ of the producer's lease is over: release it (sent by the flusher thread, so that
         the next READ need not wait for this send)."""
         with self._state:
-            self._held.pop(lease_id, None)
+            self._held.discard(lease_id)
         self._queue_release(lease_id, inline=False)
 
     def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
@@ -422,7 +426,7 @@ class RemoteChannel(Channel):
         """
         from .channel import _inspect
 
-        _, lease_id, descs, _ = self._next(timeout, want_batch=False)
+        _, lease_id, descs, _, _ = self._next(timeout, want_batch=False)
         d = descs[0]
         try:
             dst = _inspect(out)
