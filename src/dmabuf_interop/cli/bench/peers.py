@@ -27,6 +27,7 @@ from .catalog import CACHED_RING, MECHANISMS
 from .overhead import CallTimer
 from .protocol import check, make, take_fd
 from .reader import Reader
+from .weight_sync_backends import settle_gc
 
 __all__ = ["main", "PEERS"]
 
@@ -668,6 +669,7 @@ def run(role: str, ctl: socket.socket, pc: socket.socket, aux: socket.socket) ->
         if peer is None:
             bandwidth.run(role, ctl, pc, cfg)
         else:
+            settle_gc()  # every mechanism alike: no full collection of the set-up's objects mid-cell
             _latency(peer, ctl)
         send_message(ctl, make("done", role=role))
         return 0

@@ -113,7 +113,8 @@ def settle_gc() -> None:
     """Collect once, then freeze every object alive so far (``gc.freeze``), as latency-sensitive
     Python services do before serving: a full collection walks torch's several hundred thousand
     objects and would stall whichever step it lands in by about 0.1 s. Every process of the
-    workload (ours and the peers') calls it once its model is built."""
+    workload (ours and the peers') calls it once its model is built, and every latency peer
+    (:mod:`.peers`) once it is set up."""
     import gc
 
     gc.collect()
