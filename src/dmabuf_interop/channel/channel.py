@@ -158,10 +158,10 @@ class _ImportedChunk:
             self.buf.close()
 
 
-def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[_ImportedChunk]) -> None:
+def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[_ImportedChunk], inline: bool = False) -> None:
     ch = channel_ref()
     if ch is not None:
-        ch._release_lease(lease_id)
+        ch._release_lease(lease_id, inline=inline)
     for chunk in chunks:
         chunk.release()
 
@@ -188,7 +188,11 @@ class _Hold:
                     self.left -= 1
             last = self.left <= 0
         if last:
-            self.fin()
+            # Released by the caller: the release may go out in its thread. Collected (the finaliser
+            # itself, inside the garbage collector): the flusher thread sends it, nothing blocks here.
+            info = self.fin.detach()
+            if info is not None:
+                _finalize_hold(*info[2], inline=True)
 
 
 class _Keep:
@@ -936,17 +940,18 @@ class Channel:
 
     # --- releases (importer side) -----------------------------------------------------
 
-    def _release_lease(self, lease_id: int) -> None:
-        """Every item of the peer's lease ``lease_id`` was released here (:class:`_Hold`)."""
+    def _release_lease(self, lease_id: int, *, inline: bool = False) -> None:
+        """Every item of the peer's lease ``lease_id`` was released here (:class:`_Hold`); ``inline``:
+        by the caller's ``release()``, so the message may go out in its thread."""
         with self._state:
             self._held.discard(lease_id)
-        self._queue_release(lease_id)
+        self._queue_release(lease_id, inline=inline)
 
-    def _queue_release(self, lease_id: int, *, inline: bool = True) -> None:
-        """Send the release of ``lease_id``: now, in the caller's thread, when no release went out
-        within :data:`RELEASE_GAP` (so the exporter reads it before its next send, not during it);
-        else the flusher thread sends it with the others of the burst, within :data:`RELEASE_DELAY`
-        or sooner when :meth:`recv` is about to wait. ``inline=False``: always the flusher."""
+    def _queue_release(self, lease_id: int, *, inline: bool = False) -> None:
+        """Send the release of ``lease_id``: with ``inline``, now, in the caller's thread, when no
+        release went out within :data:`RELEASE_GAP` (so the exporter reads it before its next send,
+        not during it); otherwise the flusher thread sends it with the others of its burst, within
+        :data:`RELEASE_DELAY` or sooner when :meth:`recv` is about to wait."""
         with self._state:
             if self._eof or self._closed:
                 return

@@ -343,7 +343,7 @@ class RemoteChannel(Channel):
             raise ProtocolError(f"region metadata names agent {name!r}, not the peer's {self._remote!r}")
         self._imports[cid] = _Region(addr, size, device, msg["mem"])
 
-    def _release_lease(self, lease_id: int) -> None:
+    def _release_lease(self, lease_id: int, *, inline: bool = False) -> None:
         pass  # the lease was released right after the READ; a Received holds only local memory
 
     def _end(self) -> None:
@@ -403,7 +403,7 @@ class RemoteChannel(Channel):
         the next READ need not wait for this send)."""
         with self._state:
             self._held.discard(lease_id)
-        self._queue_release(lease_id, inline=False)
+        self._queue_release(lease_id)
 
     def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
         """Read the next array straight into ``out`` with one NIXL ``READ``, then release the producer's lease.
