@@ -460,6 +460,26 @@ def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: Shared
         x.close()
 
 
+def test_a_layout_whose_definition_failed_to_go_is_not_repeated(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel.wire import MAX_FRAME
+
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(4, "float32")
+    names = 1 + MAX_FRAME // (4096 * 1000)
+    batch = {f"{i:05d}" + "x" * 4090: a for i in range(names * 1000)}  # the arrays message exceeds MAX_FRAME
+    for _ in range(2):  # the retry must not send a repeat of a layout the peer never received
+        with pytest.raises(InvalidArgumentError, match="bytes"):
+            prod.send_many(batch)
+    a[:] = 3
+    lease = prod.send_many({"a": a})  # the channel is still up, in step on both ends
+    got = cons.recv_many(5)
+    assert (got["a"].as_array() == 3).all()
+    release_all(got.values())
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_batch_lease_is_released_when_its_last_item_goes(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     lease = prod.send_many([np.arange(4), np.zeros(3)])

@@ -192,6 +192,63 @@ def test_hostile_block_outside_its_chunk(tmp_path: Path) -> None:
     os.close(fd)
 
 
+def _memfd_chunk(c, cid: int, size: int) -> None:
+    import fcntl
+
+    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    send_message(c, {"kind": "chunk", "chunk": cid, "size": size, "mechanism": "memfd", "device_uuid": ""}, fd)
+    os.close(fd)
+
+
+def _layout_desc(block_offset: int) -> dict:
+    return desc(block_offset=block_offset, block_bytes=4096, byte_offset=0, shape=[512], strides=[8], meta=None)
+
+
+_REPEAT = {"kind": "repeat", "lease": 2, "layout": 1, "ordering": "none", "event": None, "meta": None}
+
+
+def _reannounced_smaller(c) -> None:  # the same chunk id, retired, then announced again at 4 KiB
+    _memfd_chunk(c, 1, 1 << 20)
+    send_frame(c, {"kind": "arrays", "lease": 1, "items": [_layout_desc((1 << 20) - 4096)], "mapping": False,
+                   "layout": 1})
+    send_frame(c, {"kind": "retire", "chunk": 1})
+    _memfd_chunk(c, 1, 4096)
+    send_frame(c, _REPEAT)
+
+
+def _empty_layout(c) -> None:
+    _memfd_chunk(c, 1, 4096)
+    send_frame(c, {"kind": "arrays", "lease": 1, "items": [], "mapping": False, "layout": 1})
+    send_frame(c, _REPEAT)
+
+
+def _event_on_host(c) -> None:
+    _memfd_chunk(c, 1, 4096)
+    send_frame(c, {"kind": "arrays", "lease": 1, "items": [_layout_desc(0)], "mapping": False, "layout": 1})
+    send_frame(c, {**_REPEAT, "ordering": "event", "event": "A" * 86 + "=="})
+
+
+@pytest.mark.parametrize("script, text, first", [
+    (_reannounced_smaller, "retired since", True),
+    (_empty_layout, "at least one item", False),
+    (_event_on_host, "host chunk", True),
+])
+def test_hostile_repeats(tmp_path: Path, script, text: str, first: bool) -> None:
+    addr = str(tmp_path / "h.sock")
+    t = hostile(addr, script)
+    with connect(addr, timeout=10) as ch:
+        if first:  # the batch that defined the layout arrives intact
+            for r in ch.recv_many(10):
+                assert r.as_array().shape == (512,)
+                r.release()
+        with pytest.raises(ProtocolError, match=text):
+            ch.recv_many(10)
+        assert ch.closed
+    t.join(10)
+
+
 def test_negative_strides_are_copied_c_contiguous(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
     with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool, listen(addr, pool=pool) as listener:

@@ -139,6 +139,10 @@ class _ImportedChunk:
         self.retired = False
         self.lock = threading.Lock()
 
+    @property
+    def is_host(self) -> bool:
+        return self.buf.device < 0
+
     def retain(self) -> None:
         with self.lock:
             self.refs += 1
@@ -559,7 +563,7 @@ class Channel:
         # Batch layouts (see send_many): sent, key -> id; received, id -> (descs, mapping, chunk ids).
         self._layouts_sent: dict[Any, int] = {}
         self._layout_ids = itertools.count(1)
-        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, frozenset[int]]] = {}
+        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, dict[int, Any]]] = {}
         self._flusher: threading.Thread | None = None
         # The flusher has its own wake-up, so that it never competes with recv() for the GIL
         # when an array arrives; and _state is notified only when a recv() waits on it.
@@ -599,8 +603,10 @@ class Channel:
         chunk = block.chunk
         if chunk.id in self._announced:
             return
-        self._send(chunk.describe(), chunk.fd)
-        self._announced.add(chunk.id)
+        with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
+            if chunk.id not in self._announced:
+                self._send_locked(chunk.describe(), chunk.fd)
+                self._announced.add(chunk.id)
         block.pool._register_channel(self)
 
     def _retire_chunk(self, chunk_id: int) -> None:
@@ -805,14 +811,13 @@ class Channel:
                  for name, block, off, shape, strides, dtype in placed]
         if descs:
             descs[0]["meta"] = meta
-        if batch is None:
-            msg = {"kind": "array", "lease": lease.id, "desc": descs[0]}
-        else:
-            msg = self._batch_message(lease.id, placed, descs, batch == "mapping", order, ev64, meta)
         with self._state:
             self._leases[lease.id] = lease
         try:
-            self._send(msg)
+            if batch is None:
+                self._send({"kind": "array", "lease": lease.id, "desc": descs[0]})
+            else:
+                self._send_batch(lease.id, placed, descs, batch == "mapping", order, ev64, meta)
         except BaseException:
             with self._state:
                 self._leases.pop(lease.id, None)
@@ -820,22 +825,27 @@ class Channel:
             raise
         return lease
 
-    def _batch_message(self, lease_id: int, placed: list[Any], descs: list[dict[str, Any]], mapping: bool,
-                       order: str, ev64: str | None, meta: dict[str, Any] | None) -> dict[str, Any]:
-        """An ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
+    def _send_batch(self, lease_id: int, placed: list[Any], descs: list[dict[str, Any]], mapping: bool,
+                    order: str, ev64: str | None, meta: dict[str, Any] | None) -> None:
+        """Send an ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
         the same names in the same blocks with the same shapes, strides and dtypes (a model's
         state dict, sent every step), so the peer validates and rebuilds nothing."""
         key = (mapping, tuple((name, block.chunk.id, block.offset, block.size, off, shape, strides, dtype)
                               for name, block, off, shape, strides, dtype in placed))
-        layout = self._layouts_sent.get(key)
-        if layout is not None:
-            return {"kind": "repeat", "lease": lease_id, "layout": layout, "ordering": order, "event": ev64,
-                    "meta": meta}
-        layout = next(self._layout_ids)
-        self._layouts_sent[key] = layout
-        if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
-            del self._layouts_sent[next(iter(self._layouts_sent))]
-        return {"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping, "layout": layout}
+        # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
+        # order they are defined, and one counts as known only once its definition has gone out.
+        with self._send_lock:
+            layout = self._layouts_sent.get(key)
+            if layout is not None:
+                self._send_locked({"kind": "repeat", "lease": lease_id, "layout": layout, "ordering": order,
+                                   "event": ev64, "meta": meta})
+                return
+            layout = next(self._layout_ids)
+            self._send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                               "layout": layout})
+            self._layouts_sent[key] = layout
+            if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
+                del self._layouts_sent[next(iter(self._layouts_sent))]
 
     @property
     def outstanding(self) -> int:
@@ -1021,6 +1031,10 @@ class Channel:
         except (DmaBufError, OSError, ValueError) as exc:
             self._error = exc
             self._end()
+        except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
+            self._error = ProtocolError(f"a {msg.get('kind')!r} message could not be handled: "
+                                        f"{type(exc).__name__}: {exc}")
+            self._end()
         finally:
             close_fds(fds)
         return True
@@ -1053,6 +1067,8 @@ class Channel:
                     if d.block_offset + d.block_bytes > chunk.size:
                         raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies "
                                             f"outside chunk {d.chunk} of {chunk.size} bytes")
+                    if d.ordering == "event" and chunk.is_host:
+                        raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
                 mapping = kind == "arrays" and msg["mapping"]
                 if "layout" in msg:
                     self._define_layout(msg["layout"], descs, mapping)
@@ -1086,11 +1102,13 @@ class Channel:
     def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool) -> None:
         if layout in self._layouts:
             raise ProtocolError(f"layout {layout} defined twice")
-        self._layouts[layout] = (descs, mapping, frozenset(d.chunk for d in descs))
+        # The imports themselves, not their ids: a repeat must find these very chunks (an id retired
+        # and announced again is another chunk, of another size).
+        self._layouts[layout] = (descs, mapping, {d.chunk: self._imports[d.chunk] for d in descs})
         if len(self._layouts) > MAX_LAYOUTS:  # first in, first out, as the exporter forgets them
             del self._layouts[next(iter(self._layouts))]
 
-    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool, frozenset[int]]:
+    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool, dict[int, Any]]:
         """The descriptors of a ``repeat`` message: its layout's, validated when it was defined, with
         this message's ordering, event and meta on the first (the others take ``ordering`` from the
         Received)."""
@@ -1098,9 +1116,11 @@ class Channel:
         if found is None:
             raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
         descs, mapping, chunks = found
-        for cid in chunks:
-            if cid not in self._imports:
-                raise ProtocolError(f"repeat of layout {msg['layout']} names retired chunk {cid}")
+        for cid, chunk in chunks.items():
+            if self._imports.get(cid) is not chunk:
+                raise ProtocolError(f"repeat of layout {msg['layout']} names chunk {cid}, retired since")
+            if msg["ordering"] == "event" and chunk.is_host:
+                raise ProtocolError(f"ordering 'event' for host chunk {cid}")
         first = dataclasses.replace(descs[0], ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
         return [first, *descs[1:]], mapping, chunks
 

@@ -304,6 +304,8 @@ def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
         _keys(msg, _ARRAYS, "arrays message")
     else:
         _int(msg, "layout")
+        if not msg["items"]:
+            raise ProtocolError("arrays: a layout needs at least one item")
     _int(msg, "lease")
     if not isinstance(msg["mapping"], bool):
         raise ProtocolError("arrays: 'mapping' must be true or false")

@@ -232,6 +232,7 @@ class _Region:
 
     def __init__(self, addr: int, size: int, device: int, mem: str) -> None:
         self.addr, self.size, self.device, self.mem = addr, size, device, mem
+        self.is_host = mem == "DRAM"
 
     def retire(self) -> None:  # the base channel calls this on retire / end; nothing is mapped here
         pass
@@ -297,13 +298,16 @@ class RemoteChannel(Channel):
         chunk = block.chunk
         if chunk.id in self._announced:
             return
-        md = self._agent.register(chunk, block.pool.is_host)
-        if md is None:  # registered as a READ target already: its metadata is needed now
-            md = self._agent.call("get_partial_agent_metadata", self._agent.registered[chunk.id], False)
-        self._send({"kind": "region", "chunk": chunk.id, "addr": chunk.ptr, "size": chunk.size,
-                    "device": 0 if block.pool.is_host else chunk.device,
-                    "mem": "DRAM" if block.pool.is_host else "VRAM", "metadata": base64.b64encode(md).decode()})
-        self._announced.add(chunk.id)
+        with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
+            if chunk.id not in self._announced:
+                md = self._agent.register(chunk, block.pool.is_host)
+                if md is None:  # registered as a READ target already: its metadata is needed now
+                    md = self._agent.call("get_partial_agent_metadata", self._agent.registered[chunk.id], False)
+                self._send_locked({"kind": "region", "chunk": chunk.id, "addr": chunk.ptr, "size": chunk.size,
+                                   "device": 0 if block.pool.is_host else chunk.device,
+                                   "mem": "DRAM" if block.pool.is_host else "VRAM",
+                                   "metadata": base64.b64encode(md).decode()})
+                self._announced.add(chunk.id)
         block.pool._register_channel(self)
 
     def _retire_chunk(self, chunk_id: int) -> None:
