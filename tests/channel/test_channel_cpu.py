@@ -429,6 +429,18 @@ def test_send_many_refuses_what_the_receiver_would_refuse(addr: str, pool: Share
         x.close()
 
 
+def round_trip(prod, cons, arrays, meta=None) -> tuple[dict, dict]:
+    """One ``send_many`` -> ``recv_many`` -> ``release_all``, the lease waited for: each item's values
+    (a NumPy copy) and meta, keyed as the batch is."""
+    lease = prod.send_many(arrays, meta=meta)
+    got = cons.recv_many(5)
+    items = list(got.items() if isinstance(got, dict) else enumerate(got))
+    out = ({k: np.array(r.as_array()) for k, r in items}, {k: r.meta for k, r in items})
+    release_all([r for _, r in items])
+    lease.wait(5)
+    return out
+
+
 def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.channel.protocol import MAX_LAYOUTS
 
@@ -437,25 +449,18 @@ def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: Shared
     for step in range(3):  # a trainer's loop: the same tensors, new values, every step
         state["w"][:] = step
         state["b"][:] = step / 2
-        lease = prod.send_many(state, meta={"step": step})
-        got = cons.recv_many(5)
-        assert got["w"].meta == {"step": step} and got["b"].meta is None
-        assert (got["w"].as_array() == step).all() and (got["b"].as_array() == step / 2).all()
-        release_all(got.values())
-        lease.wait(5)
+        values, metas = round_trip(prod, cons, state, {"step": step})
+        assert metas == {"w": {"step": step}, "b": None}
+        assert (values["w"] == step).all() and (values["b"] == step / 2).all()
     assert len(prod._layouts_sent) == len(cons._layouts) == 1  # defined once, repeated twice
     # More layouts than either end remembers: the oldest is forgotten on both sides alike
     extra = [pool.empty(i + 1, "uint8") for i in range(MAX_LAYOUTS)]
     for a in extra:
-        prod.send_many([a])
-        release_all(cons.recv_many(5))
+        round_trip(prod, cons, [a])
     assert len(prod._layouts_sent) == len(cons._layouts) == MAX_LAYOUTS
     state["w"][:] = 7
-    lease = prod.send_many(state, meta={"step": 7})  # defined again, not repeated
-    got = cons.recv_many(5)
-    assert got["w"].meta == {"step": 7} and (got["w"].as_array() == 7).all()
-    release_all(got.values())
-    lease.wait(5)
+    values, metas = round_trip(prod, cons, state, {"step": 7})  # defined again, not repeated
+    assert metas["w"] == {"step": 7} and (values["w"] == 7).all()
     for x in (cons, prod, listener):
         x.close()
 
@@ -471,11 +476,8 @@ def test_a_layout_whose_definition_failed_to_go_is_not_repeated(addr: str, pool:
         with pytest.raises(InvalidArgumentError, match="bytes"):
             prod.send_many(batch)
     a[:] = 3
-    lease = prod.send_many({"a": a})  # the channel is still up, in step on both ends
-    got = cons.recv_many(5)
-    assert (got["a"].as_array() == 3).all()
-    release_all(got.values())
-    lease.wait(5)
+    values, _ = round_trip(prod, cons, {"a": a})  # the channel is still up, in step on both ends
+    assert (values["a"] == 3).all()
     for x in (cons, prod, listener):
         x.close()
 
