@@ -560,7 +560,7 @@ class Channel:
         self._pending: list[int] = []
         self._last_flush = 0.0  # time.monotonic() of the last release message
         self._opened_events: dict[bytes, Any] = {}
-        # Batch layouts (see send_many): sent, key -> id; received, id -> (descs, mapping, chunk ids).
+        # Batch layouts (see send_many): sent, key -> id; received, id -> (descs, mapping, their chunks).
         self._layouts_sent: dict[Any, int] = {}
         self._layout_ids = itertools.count(1)
         self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, dict[int, Any]]] = {}
@@ -967,7 +967,7 @@ class Channel:
                 return
             self._pending.append(lease_id)
             inline = inline and len(self._pending) == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP
-        # Non-blocking: a finaliser may run this inside a send of this very thread.
+        # Non-blocking: while another thread sends, the flusher takes this one.
         if inline and self._send_lock.acquire(blocking=False):
             try:
                 self._flush(send_lock_held=True)
