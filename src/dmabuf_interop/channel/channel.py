@@ -605,9 +605,13 @@ class Channel:
             return
         with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
             if chunk.id not in self._announced:
-                self._send_locked(chunk.describe(), chunk.fd)
+                self._send_chunk_locked(block)
                 self._announced.add(chunk.id)
         block.pool._register_channel(self)
+
+    def _send_chunk_locked(self, block: Block) -> None:
+        """Tell the peer about ``block``'s chunk (the caller holds the send lock): its fd (``SCM_RIGHTS``)."""
+        self._send_locked(block.chunk.describe(), block.chunk.fd)
 
     def _retire_chunk(self, chunk_id: int) -> None:
         if chunk_id in self._announced:

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from .._time import deadline_after
-from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError
+from ..errors import InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError, SyscallError
 from .protocol import PROTOCOL_VERSION, host_boot_id, parse_message
 from .wire import recv_frame, send_frame
 
@@ -64,7 +64,7 @@ def recv_hello(sock: socket.socket, timeout: float | None) -> dict[str, Any]:
 
 class ListenerBase:
     """The accept loop and closing of a listener; a subclass sets ``address`` and ``_sock`` and
-    implements :meth:`_accept_one` (one connection and its handshake) and :meth:`close`."""
+    implements :meth:`_accept_one` (the handshake on one accepted connection) and :meth:`close`."""
 
     address: str
     _sock: socket.socket
@@ -87,12 +87,31 @@ class ListenerBase:
             raise InvalidArgumentError(f"the listener on {self.address} is closed")
         deadline = deadline_after(timeout)
         while True:
+            conn = self._next_connection(deadline)
             try:
-                return self._accept_one(deadline)
+                return self._accept_one(conn, deadline)  # the channel owns conn from here
             except PeerClosedError:
-                continue  # that peer is gone; the deadline still bounds the wait
+                conn.close()  # that peer is gone; the deadline still bounds the wait
+            except BaseException:
+                conn.close()
+                raise
 
-    def _accept_one(self, deadline: float | None) -> Any:
+    def _next_connection(self, deadline: float | None) -> socket.socket:
+        """The next connected socket (``poll`` then ``accept``).
+
+        Raises:
+            WaitTimeoutError: none by ``deadline``. SyscallError: ``accept`` failed.
+        """
+        from ..fdpass import _wait_readable
+
+        _wait_readable(self._sock, deadline, "a channel consumer to connect")
+        try:
+            conn, _ = self._sock.accept()
+        except OSError as exc:
+            raise SyscallError("accept", exc) from exc
+        return conn
+
+    def _accept_one(self, conn: socket.socket, deadline: float | None) -> Any:
         raise NotImplementedError
 
     def close(self) -> None:

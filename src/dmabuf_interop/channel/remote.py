@@ -294,21 +294,15 @@ class RemoteChannel(Channel):
 
     # --- producer side ---------------------------------------------------------------
 
-    def _announce(self, block: Block) -> None:
+    def _send_chunk_locked(self, block: Block) -> None:
+        """A ``region`` message instead of an fd: the chunk registered with this channel's agent."""
         chunk = block.chunk
-        if chunk.id in self._announced:
-            return
-        with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
-            if chunk.id not in self._announced:
-                md = self._agent.register(chunk, block.pool.is_host)
-                if md is None:  # registered as a READ target already: its metadata is needed now
-                    md = self._agent.call("get_partial_agent_metadata", self._agent.registered[chunk.id], False)
-                self._send_locked({"kind": "region", "chunk": chunk.id, "addr": chunk.ptr, "size": chunk.size,
-                                   "device": 0 if block.pool.is_host else chunk.device,
-                                   "mem": "DRAM" if block.pool.is_host else "VRAM",
-                                   "metadata": base64.b64encode(md).decode()})
-                self._announced.add(chunk.id)
-        block.pool._register_channel(self)
+        md = self._agent.register(chunk, block.pool.is_host)
+        if md is None:  # registered as a READ target already: its metadata is needed now
+            md = self._agent.call("get_partial_agent_metadata", self._agent.registered[chunk.id], False)
+        self._send_locked({"kind": "region", "chunk": chunk.id, "addr": chunk.ptr, "size": chunk.size,
+                           "device": 0 if block.pool.is_host else chunk.device,
+                           "mem": "DRAM" if block.pool.is_host else "VRAM", "metadata": base64.b64encode(md).decode()})
 
     def _retire_chunk(self, chunk_id: int) -> None:
         # Deregister first: from here on NIXL refuses reads of this chunk, whatever the peer does.
@@ -608,21 +602,10 @@ class RemoteListener(ListenerBase):
         """
         return super().accept(timeout)
 
-    def _accept_one(self, deadline: float | None) -> RemoteChannel:
-        from ..fdpass import _wait_readable
-
-        _wait_readable(self._sock, deadline, "a channel consumer to connect")
-        try:
-            conn, _ = self._sock.accept()
-        except OSError as exc:
-            raise SyscallError("accept", exc) from exc
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return _handshake(conn, self._secret, left, True, self.pool, self._device, self._xfer_timeout)
-        except BaseException:
-            conn.close()
-            raise
+    def _accept_one(self, conn: socket.socket, deadline: float | None) -> RemoteChannel:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return _handshake(conn, self._secret, left, True, self.pool, self._device, self._xfer_timeout)
 
     def close(self) -> None:
         """Stop listening (idempotent)."""

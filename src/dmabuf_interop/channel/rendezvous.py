@@ -141,33 +141,22 @@ class Listener(ListenerBase):
         """
         return super().accept(timeout)
 
-    def _accept_one(self, deadline: float | None) -> Channel:
-        from ..fdpass import _wait_readable
-
-        _wait_readable(self._sock, deadline, "a channel consumer to connect")
-        try:
-            conn, _ = self._sock.accept()
-        except OSError as exc:
-            raise SyscallError("accept", exc) from exc
-        try:
-            pid, uid, gid = peer_credentials(conn)
-            if not _allowed(uid, gid, self._allow_uids, self._allow_gids):
-                reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
-                          f"allowed uids {sorted(self._allow_uids) if self._allow_uids is not None else [os.geteuid()]}"
-                          f", gids {sorted(self._allow_gids) if self._allow_gids else []}")
-                refuse(conn, reason)
-                raise PeerRefusedError(f"refused a connection: {reason}")
-            mine = hello(self._hello_overrides, visible_gpu_uuids())
-            send_frame(conn, mine)
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            theirs = recv_hello(conn, remaining)
-            why = _check_hello(mine, theirs)
-            if why is not None:
-                refuse(conn, why)
-                raise PeerRefusedError(f"refused a connection: {why}")
-        except BaseException:
-            conn.close()
-            raise
+    def _accept_one(self, conn: socket.socket, deadline: float | None) -> Channel:
+        pid, uid, gid = peer_credentials(conn)
+        if not _allowed(uid, gid, self._allow_uids, self._allow_gids):
+            reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
+                      f"allowed uids {sorted(self._allow_uids) if self._allow_uids is not None else [os.geteuid()]}"
+                      f", gids {sorted(self._allow_gids) if self._allow_gids else []}")
+            refuse(conn, reason)
+            raise PeerRefusedError(f"refused a connection: {reason}")
+        mine = hello(self._hello_overrides, visible_gpu_uuids())
+        send_frame(conn, mine)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        theirs = recv_hello(conn, remaining)
+        why = _check_hello(mine, theirs)
+        if why is not None:
+            refuse(conn, why)
+            raise PeerRefusedError(f"refused a connection: {why}")
         peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
         return Channel(conn, peer, pool=self.pool, device=self._device, ordering=self._ordering)
 
