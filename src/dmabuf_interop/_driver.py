@@ -572,8 +572,15 @@ def vmm_import_posix_fd(fd: int) -> Any:
 
 def vmm_allocation_device(handle: Any) -> int:
     """``cuMemGetAllocationPropertiesFromHandle``: the device that holds the memory."""
+    return vmm_allocation_properties(handle)["device"]
+
+
+def vmm_allocation_properties(handle: Any) -> dict[str, int]:
+    """``cuMemGetAllocationPropertiesFromHandle``: ``device`` (the location's ordinal) and ``posix_fd``
+    (whether ``requestedHandleTypes`` includes ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``)."""
     prop = call(bindings().cuMemGetAllocationPropertiesFromHandle, handle)
-    return int(prop.location.id)
+    return {"device": int(prop.location.id),
+            "posix_fd": int(bool(int(prop.requestedHandleTypes) & int(_posix_fd_type())))}
 
 
 def vmm_retain_handle(ptr: int) -> Any:

@@ -37,7 +37,7 @@ import socket
 import struct
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 from ._time import deadline_after as _deadline
 from .fd import fd_is_open
@@ -194,12 +194,12 @@ def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
     _wait(sock, select.POLLOUT, deadline, "timed out sending a message: the peer is not reading (socket buffer full)")
 
 
-def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float | None) -> None:
-    """Send ``data`` (``fd`` on its first byte) between ``poll(POLLOUT)`` waits; a message cut off
-    after its first byte marks a stream connection broken for sending."""
+def _send_all(sock: socket.socket, data: bytes, fd: int | Sequence[int] | None, deadline: float | None) -> None:
+    """Send ``data`` (the fd, or fds, on its first byte) between ``poll(POLLOUT)`` waits; a message cut
+    off after its first byte marks a stream connection broken for sending."""
     _check_in_step(sock, _broken_send, "send")
     view = memoryview(data)
-    pending_fd = fd
+    pending_fd = None if fd is None else [fd] if isinstance(fd, int) else list(fd) or None
     poll_first = _timeout_mode(sock)
     try:
         while view:
@@ -207,7 +207,7 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
                 _wait_writable(sock, deadline)
             try:  # a socket with room costs one send, no poll
                 if pending_fd is not None:
-                    rights = array.array("i", [pending_fd])
+                    rights = array.array("i", pending_fd)
                     sent = sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
                                        _DONTWAIT)
                     pending_fd = None
@@ -224,24 +224,26 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | None, deadline: float 
             raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
         if isinstance(exc, OSError) and not isinstance(exc, DmaBufError):
             if fd is not None and exc.errno == errno.EBADF:
-                raise InvalidArgumentError(f"fd {fd} is not open: {exc}") from exc
+                raise InvalidArgumentError(f"fd(s) {fd}: not open: {exc}") from exc
             if exc.errno == errno.ETOOMANYREFS:
                 soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 raise FdsInFlightError(
                     f"sendmsg -> ETOOMANYREFS: the kernel refused to queue another fd: this user already has "
                     f"more fds in flight (sent over AF_UNIX sockets, not yet received by the peer) than the "
                     f"sender's RLIMIT_NOFILE soft limit of {soft}; the peer is not reading its messages. "
-                    f"The caller still owns fd {fd}") from exc
+                    f"The caller still owns fd(s) {fd}") from exc
             raise SyscallError("sendmsg", exc) from exc
         raise
 
 
-def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None, *,
+def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *,
                  timeout: float | None = DEFAULT_TIMEOUT, max_bytes: int = MAX_MESSAGE) -> None:
     """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
 
-    The sender keeps its own fd: the kernel installs a new descriptor for the
-    same open file in the receiver (the caller may close its copy afterwards).
+    ``fd`` may also be a sequence of up to 253 fds (``SCM_MAX_FD``), all riding on
+    the message's first byte in order. The sender keeps its own fds: the kernel
+    installs a new descriptor for each same open file in the receiver (the caller
+    may close its copies afterwards).
     Sends are non-blocking (``MSG_DONTWAIT``) between ``poll(POLLOUT)`` waits,
     so a peer that stops reading cannot hold the sender past ``timeout``.
 
@@ -262,8 +264,13 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | None = None
     """
     _check_unix(sock)
     data = encode_message(obj, max_bytes)
-    if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
-        raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
+    if fd is not None:
+        fds = [fd] if isinstance(fd, int) else list(fd)
+        if len(fds) > _MAX_FDS:
+            raise InvalidArgumentError(f"{len(fds)} fds in one message: SCM_RIGHTS carries at most {_MAX_FDS}")
+        bad = next((f for f in fds if isinstance(f, bool) or not isinstance(f, int) or f < 0), None)
+        if bad is not None or not fds:
+            raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
     _send_all(sock, data, fd, _deadline(timeout))
 
 

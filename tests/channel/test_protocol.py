@@ -88,7 +88,7 @@ def test_fuzz_near_valid_descriptors(obj: dict) -> None:
 
 @settings(max_examples=400)
 @given(st.dictionaries(st.sampled_from(["kind", "lease", "desc", "items", "mapping", "leases", "chunk", "size",
-                                        "mechanism", "device_uuid", "reason"]),
+                                        "mechanism", "device_uuid", "parts", "reason"]),
                        st.sampled_from(["hello", "chunk", "retire", "array", "arrays", "release", "bye", "refuse",
                                         "nope"]) | json_values, max_size=6))
 def test_fuzz_messages_only_protocol_errors(msg: dict) -> None:
@@ -160,7 +160,8 @@ def test_hostile_chunk_fds_are_checked_before_mapping(tmp_path: Path) -> None:
     r, w = os.pipe()
 
     def script(c) -> None:
-        send_message(c, {"kind": "chunk", "chunk": 1, "size": 4096, "mechanism": "memfd", "device_uuid": ""}, r)
+        send_message(c, {"kind": "chunk", "chunk": 1, "size": 4096, "mechanism": "memfd", "device_uuid": "",
+                         "parts": [4096]}, r)
 
     addr = str(tmp_path / "h.sock")
     t = hostile(addr, script)
@@ -178,7 +179,8 @@ def _memfd_chunk(c, cid: int, size: int) -> None:
     fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    send_message(c, {"kind": "chunk", "chunk": cid, "size": size, "mechanism": "memfd", "device_uuid": ""}, fd)
+    send_message(c, {"kind": "chunk", "chunk": cid, "size": size, "mechanism": "memfd", "device_uuid": "",
+                     "parts": [size]}, fd)
     os.close(fd)
 
 
@@ -215,7 +217,36 @@ def _event_on_host(c) -> None:
     send_frame(c, {**_REPEAT, "ordering": "event", "event": "A" * 86 + "=="})
 
 
+def _memfd(size: int) -> int:
+    import fcntl
+
+    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _chunk_msg(**kw) -> dict:
+    return {"kind": "chunk", "chunk": 1, "size": 8192, "mechanism": "memfd", "device_uuid": "", "parts": [8192],
+            **kw}
+
+
+def _parts_script(msg: dict, nfds: int):
+    def script(c) -> None:
+        fds = [_memfd(8192) for _ in range(nfds)]
+        send_message(c, msg, fds)
+        for fd in fds:
+            os.close(fd)
+    return script
+
+
 @pytest.mark.parametrize("script, text, first", [
+    (_parts_script(_chunk_msg(), 2), "1 part\\(s\\) carried 2 fd", False),
+    (_parts_script(_chunk_msg(parts=[4096, 4096]), 2), "has one part", False),
+    (_parts_script(_chunk_msg(mechanism="posix-fd", parts=[4096, 4095]), 2), "adding up to size", False),
+    (_parts_script(_chunk_msg(mechanism="posix-fd", parts=[8192, 0]), 2), "positive sizes", False),
+    (_parts_script(_chunk_msg(parts=[]), 1), "positive sizes", False),
+    (_parts_script(_chunk_msg(parts=None), 1), "'parts' must be a list", False),
     (_block_outside, "outside chunk", False),
     (_reannounced_smaller, "retired since", True),
     (_empty_layout, "at least one item", False),

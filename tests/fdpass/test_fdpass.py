@@ -364,6 +364,29 @@ def test_not_a_socket_is_invalid_argument(pipe):
         send_fd(pipe[1], pipe[0])  # type: ignore[arg-type]
 
 
+def test_several_fds_on_one_message_arrive_in_order(pair, pipe):
+    a, b = pair
+    r, w = pipe
+    send_message(a, {"parts": 3}, [r, w, r])
+    msg, fds = recv_message(b, timeout=5, max_fds=3)
+    try:
+        assert msg == {"parts": 3} and len(fds) == 3
+        assert [os.fstat(fd).st_ino for fd in fds] == [os.fstat(x).st_ino for x in (r, w, r)]
+        os.write(fds[1], b"x")  # the second is the write end
+        assert os.read(fds[0], 1) == b"x"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(errors.InvalidArgumentError, match="at most 253"):
+        send_message(a, {}, [r] * 254)
+    with pytest.raises(errors.InvalidArgumentError):
+        send_message(a, {}, [])
+    with pytest.raises(errors.InvalidArgumentError):
+        send_message(a, {}, [r, -1])
+    with pytest.raises(errors.WaitTimeoutError):  # nothing was put on the wire by the rejected sends
+        recv_message(b, timeout=0.05)
+
+
 def test_bad_fd_is_invalid_argument(pair, pipe):
     a, b = pair
     with pytest.raises(errors.InvalidArgumentError):

@@ -4,7 +4,9 @@ A producer creates a :class:`SharedPool` (host memfds, or CUDA VMM chunks
 exported as POSIX fds), :func:`listen`\\ s on an address, and lends arrays to
 each consumer that :func:`connect`\\ s: every chunk's fd crosses a connection
 once (``SCM_RIGHTS``); each array afterwards is a JSON descriptor. A
-:class:`Lease` completes when the consumer releases the block. See
+:class:`Lease` completes when the consumer releases the block. torch tensors
+in expandable segments are lent in place, their pages exported as they are
+(:mod:`.segments`). See
 ``docs/channel.md`` for the wire protocol and the security model.
 """
 
@@ -14,8 +16,9 @@ from .channel import Channel, Lease, PeerInfo, Received, mechanism_for, release_
 from .pool import ALIGN, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
 from .rendezvous import Listener, connect, listen
+from .segments import release_segments
 
 __all__ = [
     "ALIGN", "ArrayDescriptor", "Channel", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
-    "SharedPool", "connect", "listen", "mechanism_for", "parse_message", "release_all",
+    "SharedPool", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
 ]

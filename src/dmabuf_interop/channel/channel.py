@@ -85,10 +85,12 @@ class Lease:
         reason: ``"released"`` (the peer released it), ``"disconnected"`` or ``"closed"``; ``None`` while out.
     """
 
-    def __init__(self, lease_id: int, blocks: list[Block], event: tuple[Any, bytes] | None) -> None:
+    def __init__(self, lease_id: int, blocks: list[Block], event: tuple[Any, bytes] | None,
+                 events: Any = None) -> None:
         self.id = lease_id
         self._blocks = blocks
         self._event = event
+        self._events = events  # the EventPool that ``event`` goes back to
         # Held while the lease is out; released once on completion. A bare lock, not a
         # threading.Event: a lease is made per send, and an Event costs a Condition and two locks.
         self._out = threading.Lock()
@@ -120,7 +122,7 @@ class Lease:
         for b in self._blocks:
             b.pool._unref(b)
         if self._event is not None:
-            self._blocks[0].pool._give_event(self._event)
+            self._events.give(self._event)
         self._blocks = []
         self._out.release()
 
@@ -528,6 +530,11 @@ def _is_host_ptr(view: Any) -> bool:
 class Channel:
     """A connected channel (from :func:`.connect` or :meth:`.Listener.accept`).
 
+    Attributes:
+        share_segments: lend device memory that is already shareable (torch's expandable
+            segments: :mod:`.segments`) in place instead of copying it into the pool
+            (default ``True``; set it ``False`` to always copy).
+
     Args (given by the rendezvous, not by callers):
         sock: the connected AF_UNIX stream socket (owned from now on).
         peer: who is on the other end.
@@ -537,6 +544,8 @@ class Channel:
             receiving (``None``: the chunk's own GPU, found by UUID).
         ordering: ``"event"`` (default) or ``"sync"`` for device pools.
     """
+
+    share_segments = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
                  device: int | None = None, ordering: str = "event") -> None:
@@ -587,11 +596,11 @@ class Channel:
 
     # --- sending --------------------------------------------------------------------
 
-    def _send(self, obj: dict[str, Any], fd: int | None = None) -> None:
+    def _send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
         with self._send_lock:
             self._send_locked(obj, fd)
 
-    def _send_locked(self, obj: dict[str, Any], fd: int | None = None) -> None:
+    def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
         if self._eof or self._closed:
             raise PeerClosedError("the channel is closed") from self._error
         if fd is None:
@@ -610,8 +619,10 @@ class Channel:
         block.pool._register_channel(self)
 
     def _send_chunk_locked(self, block: Block) -> None:
-        """Tell the peer about ``block``'s chunk (the caller holds the send lock): its fd (``SCM_RIGHTS``)."""
-        self._send_locked(block.chunk.describe(), block.chunk.fd)
+        """Tell the peer about ``block``'s chunk (the caller holds the send lock): its fds (``SCM_RIGHTS``),
+        one per part."""
+        with block.chunk.fds() as fds:
+            self._send_locked(block.chunk.describe(), fds)
 
     def _retire_chunk(self, chunk_id: int) -> None:
         if chunk_id in self._announced:
@@ -621,17 +632,16 @@ class Channel:
             except (PeerClosedError, OSError):
                 pass
 
-    def _place(self, array: Any, stream: int, timeout: float | None) -> tuple[Block, int, tuple[int, ...],
-                                                                                tuple[int, ...], str, bool]:
-        """Find (zero-copy) or make (copy) the block holding ``array``: (block, byte_offset, shape, strides,
-        dtype, copied_from_device)."""
+    def _find(self, array: Any) -> list[Any]:
+        """``[source, itemsize, span, block]`` for a caller's array: ``block`` is the pool block that
+        already holds it (referenced), else ``None``; ``span`` is the bytes from its first element to
+        one past its last (0: empty, or negative strides: nothing to find)."""
         src = _inspect(array)
         itemsize = DTYPES.get(src.dtype)
         if itemsize is None:
             raise InvalidArgumentError(f"dtype {src.dtype!r} cannot travel; accepted: {', '.join(DTYPES)}")
-        shape, strides = src.shape, tuple(src.strides)
-        span = itemsize  # bytes from the first element to one past the last; 0: nothing to find
-        for n, st in zip(shape, strides):
+        span = itemsize
+        for n, st in zip(src.shape, src.strides):
             if n == 0 or st < 0:
                 span = 0
                 break
@@ -639,12 +649,37 @@ class Channel:
         block = None
         if span:
             block = self.pool._find_ref(src.ptr, span) if self.pool is not None else None
-            if block is None:  # another pool alive in this process
+            if block is None and len(LIVE_POOLS) > (self.pool is not None):  # another pool of this process
                 for p in list(LIVE_POOLS):
                     if p is not self.pool:
                         block = p._find_ref(src.ptr, span)
                         if block is not None:
                             break
+        return [src, itemsize, span, block]
+
+    def _lend_in_place(self, found: list[list[Any]]) -> None:
+        """Fill in the block of each device array in no pool whose memory torch's expandable segments
+        hold, lent in place (:mod:`.segments`), one batch per device."""
+        by_device: dict[int, list[list[Any]]] = {}
+        for f in found:
+            src, _, span, block = f
+            if block is None and span and src.device >= 0:
+                by_device.setdefault(src.device, []).append(f)
+        if not by_device:
+            return
+        from .segments import segments_for
+
+        for dev, fs in by_device.items():
+            blocks = segments_for(dev).find_many([(f[0].ptr, f[2], f[0].obj) for f in fs])
+            for f, b in zip(fs, blocks):
+                f[3] = b
+
+    def _place(self, src: _Source, itemsize: int, block: Any, stream: int,
+               timeout: float | None) -> tuple[Block, int, tuple[int, ...], tuple[int, ...], str, bool]:
+        """The block to lend for an array :meth:`_find` inspected: ``block`` itself (zero-copy), or a new
+        block of this channel's pool it is copied into: (block, byte_offset, shape, strides, dtype,
+        copied_from_device). On failure ``block`` is released."""
+        shape, strides = src.shape, tuple(src.strides)
         if block is not None:
             if itemsize > 1 and any(st % itemsize for st in strides):
                 block.pool._unref(block)
@@ -776,13 +811,20 @@ class Channel:
             raise PeerClosedError("the channel is closed") from self._error
         h = _stream_handle(stream)
         placed: list[tuple[str | None, Block, int, tuple[int, ...], tuple[int, ...], str]] = []
+        found: list[list[Any]] = []
         try:
+            for _, arr in items:
+                found.append(self._find(arr))
+            if self.share_segments:
+                self._lend_in_place(found)
             device_blocks = False
-            for name, arr in items:
-                block, off, shape, strides, dtype, _ = self._place(arr, h, timeout)
+            for (name, _), f in zip(items, found):
+                src, itemsize, _, block = f
+                f[3] = None  # from here on _place owns it
+                block, off, shape, strides, dtype, _ = self._place(src, itemsize, block, h, timeout)
                 placed.append((name, block, off, shape, strides, dtype))
                 device_blocks |= not block.pool.is_host
-            event = None
+            event = events = None
             order = "none"
             if device_blocks:
                 from .. import _driver as driver
@@ -795,7 +837,8 @@ class Channel:
                 elif driver.stream_idle(h):
                     order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
                 else:
-                    event = dev_pool._take_event()
+                    events = dev_pool.events
+                    event = events.take()
                     driver.event_record(event[0], h)
                     order = "event"
             for _, block, *_ in placed:
@@ -803,10 +846,13 @@ class Channel:
         except BaseException:
             for _, block, *_ in placed:
                 block.pool._unref(block)
+            for f in found:  # found but not placed
+                if f[3] is not None:
+                    f[3].pool._unref(f[3])
             raise
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next(_lease_ids), [p[1] for p in placed], event)
+        lease = Lease(next(_lease_ids), [p[1] for p in placed], event, events)
         ev64 = base64.b64encode(event[1]).decode() if event is not None else None
         # The wire form of ArrayDescriptor.to_json, built directly: a batch has thousands of items.
         descs = [{"chunk": block.chunk.id, "block_offset": block.offset, "block_bytes": block.size,
@@ -1048,8 +1094,8 @@ class Channel:
         if fds and kind != "chunk":
             raise ProtocolError(f"a {kind!r} message carried an fd")
         if kind == "chunk":
-            if len(fds) != 1:
-                raise ProtocolError("a chunk message must carry exactly one fd")
+            if len(fds) != len(msg["parts"]):
+                raise ProtocolError(f"a chunk message of {len(msg['parts'])} part(s) carried {len(fds)} fd(s)")
             self._import_chunk(msg, fds)
         elif kind == "retire":
             chunk = self._imports.pop(msg["chunk"], None)
@@ -1134,21 +1180,28 @@ class Channel:
             raise ProtocolError(f"chunk {cid} announced twice")
         if len(self._imports) >= MAX_CHUNKS:
             raise ProtocolError(f"the peer announced more than {MAX_CHUNKS} chunks")
-        with OwnedFd(fds[0]) as fd:
-            fds.clear()
-            try:
-                if msg["mechanism"] == "memfd":
-                    if msg["device_uuid"]:
-                        raise ProtocolError("a memfd chunk names a GPU")
-                    from ..mechanisms.memfd import import_memfd
+        owned = [OwnedFd(fd) for fd in fds]
+        fds.clear()
+        try:
+            if msg["mechanism"] == "memfd":
+                if msg["device_uuid"]:
+                    raise ProtocolError("a memfd chunk names a GPU")
+                from ..mechanisms.memfd import import_memfd
 
-                    buf = import_memfd(fd, size)
-                else:
-                    from ..mechanisms.posix_fd import import_posix_fd
+                buf = import_memfd(owned[0], size)
+            elif len(owned) == 1:
+                from ..mechanisms.posix_fd import import_posix_fd
 
-                    buf = import_posix_fd(fd, size, self._import_device(msg["device_uuid"]), 0, size)
-            except InvalidArgumentError as exc:  # not a memfd, unsealed, smaller than announced, ...
-                raise ProtocolError(f"chunk {cid} rejected: {exc}") from exc
+                buf = import_posix_fd(owned[0], size, self._import_device(msg["device_uuid"]), 0, size)
+            else:  # pages mapped back to back in the exporter (torch's expandable segments)
+                from ..mechanisms.posix_fd import import_posix_fd_parts
+
+                buf = import_posix_fd_parts(owned, msg["parts"], self._import_device(msg["device_uuid"]))
+        except InvalidArgumentError as exc:  # not a memfd, unsealed, smaller than announced, ...
+            raise ProtocolError(f"chunk {cid} rejected: {exc}") from exc
+        finally:
+            for fd in owned:
+                fd.close()
         self._imports[cid] = _ImportedChunk(cid, size, buf)
 
     def _import_device(self, uuid: str) -> int:

@@ -16,16 +16,17 @@ then it returns to its chunk's free list.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..errors import InvalidArgumentError, PoolExhaustedError
 from .protocol import DTYPES
 
-__all__ = ["ALIGN", "SharedPool", "Block"]
+__all__ = ["ALIGN", "SharedPool", "Block", "EventPool"]
 
 #: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
 ALIGN = 256
@@ -34,7 +35,7 @@ ALIGN = 256
 LIVE_POOLS: "weakref.WeakSet[SharedPool]" = weakref.WeakSet()
 
 # Chunk ids are unique within the process, so any pool's blocks can travel over any channel.
-_chunk_ids = itertools.count(1)
+chunk_ids = itertools.count(1)
 
 
 def _round_up(x: int, a: int) -> int:
@@ -81,7 +82,7 @@ class _Chunk:
     """One exported allocation: its fd (owned by ``export``), base address, size and free list."""
 
     def __init__(self, export: Any, mechanism: str) -> None:
-        self.id = next(_chunk_ids)
+        self.id = next(chunk_ids)
         self.export = export  # ExportedBuffer: owns the fd and the mapping
         self.mechanism = mechanism
         self.ptr = export.ptr
@@ -105,9 +106,14 @@ class _Chunk:
         return self.export.fd
 
     def describe(self) -> dict[str, Any]:
-        """The ``chunk`` message (its fd rides along by ``SCM_RIGHTS``)."""
+        """The ``chunk`` message (its fd rides along by ``SCM_RIGHTS``): one part, the whole chunk."""
         return {"kind": "chunk", "chunk": self.id, "size": self.size, "mechanism": self.mechanism,
-                "device_uuid": self.device_uuid}
+                "device_uuid": self.device_uuid, "parts": [self.size]}
+
+    @contextlib.contextmanager
+    def fds(self) -> Iterator[list[int]]:
+        """The fds that go with :meth:`describe`: the export's own, kept open for the next connection."""
+        yield [self.export.fd]
 
     def host_keepalive(self, offset: int, nbytes: int) -> Any:
         """A memoryview on the host mapping: while it lives ``mmap.close`` cannot unmap the pages."""
@@ -132,6 +138,58 @@ class Block:
 
     def __repr__(self) -> str:
         return f"<Block chunk={self.chunk.id} offset={self.offset} size={self.size} refs={self.refs}>"
+
+
+class EventPool:
+    """Interprocess CUDA events of one device, reused from send to send.
+
+    ``cuEventCreate(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)`` and
+    ``cuIpcGetEventHandle`` happen once per event; a lease gives its event back
+    when the peer has released it (the peer's wait on it is queued by then).
+    """
+
+    def __init__(self, device: int | None) -> None:
+        self.device = device
+        self._lock = threading.Lock()
+        self._free: list[tuple[Any, bytes]] = []
+        self.all: list[Any] = []  # every event made, destroyed by destroy()
+
+    def take(self) -> tuple[Any, bytes]:
+        """A free ``(CUevent, 64-byte IPC handle)``; made in ``device``'s primary context when none is free.
+
+        Raises:
+            CudaError: ``cuEventCreate`` or ``cuIpcGetEventHandle`` failed.
+        """
+        from .. import _driver as driver
+
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        driver.set_current(self.device)
+        ev = driver.event_create_interprocess()
+        pair = (ev, driver.ipc_get_event_handle(ev))
+        with self._lock:
+            self.all.append(ev)
+        return pair
+
+    def give(self, pair: tuple[Any, bytes]) -> None:
+        with self._lock:
+            self._free.append(pair)
+
+    @staticmethod
+    def destroy(events: list[Any], device: int | None) -> None:
+        """``cuEventDestroy`` each of ``events`` (an :attr:`all` list), ignoring failures: used at close."""
+        if not events:
+            return
+        from .. import _driver as driver
+
+        for ev in events:
+            try:
+                driver.set_current(device)
+                driver.event_destroy(ev)
+            except Exception:  # noqa: BLE001 - destroying everything matters more than the first error
+                pass
+        events.clear()
 
 
 class HostView:
@@ -212,9 +270,8 @@ class SharedPool:
         self._chunks: list[_Chunk] = []
         self._closed = False
         self._channels: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._events: list[tuple[Any, bytes]] = []  # interprocess events free for reuse (device pools)
-        self._all_events: list[Any] = []
-        self._finalizer = weakref.finalize(self, SharedPool._close_chunks, self._chunks, self._all_events,
+        self.events = EventPool(device)  # device pools: the interprocess events leases order with
+        self._finalizer = weakref.finalize(self, SharedPool._close_chunks, self._chunks, self.events.all,
                                            device)
         LIVE_POOLS.add(self)
 
@@ -389,25 +446,6 @@ class SharedPool:
         dt = np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
         return StridedMemoryView.from_buffer(buf, shape, tuple(s // itemsize for s in strides), dtype=dt)
 
-    # --- events (device pools) ------------------------------------------------------
-
-    def _take_event(self) -> tuple[Any, bytes]:
-        from .. import _driver as driver
-
-        with self._cond:
-            if self._events:
-                return self._events.pop()
-        driver.set_current(self.device)
-        ev = driver.event_create_interprocess()
-        pair = (ev, driver.ipc_get_event_handle(ev))
-        with self._cond:
-            self._all_events.append(ev)
-        return pair
-
-    def _give_event(self, pair: tuple[Any, bytes]) -> None:
-        with self._cond:
-            self._events.append(pair)
-
     # --- channels and retirement ------------------------------------------------------
 
     def _register_channel(self, channel: Any) -> None:
@@ -439,16 +477,7 @@ class SharedPool:
             except Exception:  # noqa: BLE001 - closing everything matters more than the first error
                 pass
         chunks.clear()
-        if events:
-            from .. import _driver as driver
-
-            for ev in events:
-                try:
-                    driver.set_current(device)
-                    driver.event_destroy(ev)
-                except Exception:  # noqa: BLE001
-                    pass
-            events.clear()
+        EventPool.destroy(events, device)
 
     def close(self) -> None:
         """Retire every chunk on every channel and release the exports (fds, mappings, VMM memory, events).

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_ITEMS",
     "MAX_LAYOUTS",
+    "MAX_PARTS",
     "DTYPES",
     "ORDERINGS",
     "ArrayDescriptor",
@@ -34,8 +35,8 @@ __all__ = [
 ]
 
 #: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
-#: and ``repeat`` lends the arrays of one again).
-PROTOCOL_VERSION = 2
+#: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``).
+PROTOCOL_VERSION = 3
 #: Largest caller ``meta`` per array, as compact JSON, in bytes.
 MAX_META_BYTES = 64 * 1024
 #: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's is 64).
@@ -44,6 +45,8 @@ MAX_NDIM = 32
 MAX_ITEMS = 65536
 #: Layouts each end remembers: the last this many ``arrays`` messages that defined one (first in, first out).
 MAX_LAYOUTS = 16
+#: Most physical allocations one device chunk may join (one fd each, all on one message: ``SCM_MAX_FD``).
+MAX_PARTS = 253
 #: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
 MAX_INT = 1 << 62
 
@@ -271,12 +274,17 @@ def _check_hello(msg: dict[str, Any]) -> None:
 
 
 def _check_chunk(msg: dict[str, Any]) -> None:
-    _keys(msg, {"kind", "chunk", "size", "mechanism", "device_uuid"}, "chunk message")
+    _keys(msg, {"kind", "chunk", "size", "mechanism", "device_uuid", "parts"}, "chunk message")
     _int(msg, "chunk")
-    _int(msg, "size", 1)
+    size = _int(msg, "size", 1)
     if msg["mechanism"] not in ("memfd", "posix-fd"):
         raise ProtocolError(f"chunk: unknown mechanism {msg['mechanism']!r}")
     _str(msg, "device_uuid", 64)
+    parts = _int_list(msg, "parts", MAX_PARTS)
+    if not parts or 0 in parts or sum(parts) != size:
+        raise ProtocolError(f"chunk: parts {list(parts)[:8]} must be positive sizes adding up to size {size}")
+    if len(parts) > 1 and msg["mechanism"] != "posix-fd":
+        raise ProtocolError(f"chunk: a {msg['mechanism']} chunk has one part")
 
 
 def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:

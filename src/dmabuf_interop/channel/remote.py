@@ -277,6 +277,8 @@ class RemoteChannel(Channel):
         xfer_timeout: seconds a READ may take before :class:`WaitTimeoutError`.
     """
 
+    share_segments = False  # NIXL reads registered pool chunks only: torch's pages are copied into the pool
+
     def __init__(self, sock: socket.socket, peer: PeerInfo, agent: _Agent, remote_agent: str, *,
                  pool: SharedPool | None, device: int | None, xfer_timeout: float) -> None:
         self._agent = agent

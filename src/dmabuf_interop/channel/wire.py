@@ -1,7 +1,7 @@
 """Framing for channel connections: the library's message format with a larger body limit.
 
 Frames are those of :mod:`..fdpass` (a 4-byte big-endian length, then UTF-8
-JSON, at most one fd by ``SCM_RIGHTS`` on the first byte), sent and received
+JSON, the fds of a ``chunk`` message by ``SCM_RIGHTS`` on the first byte), sent and received
 by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves;
 ``tcp://`` control connections (:mod:`.remote`) carry the same frames with no fd.
 Array batches with caller ``meta`` can exceed fdpass's default 64 KiB, so
@@ -16,6 +16,7 @@ from typing import Any
 from .._time import deadline_after
 from ..errors import InvalidArgumentError
 from ..fdpass import _family, _recv_framed, _send_all, encode_message, recv_message, send_message
+from .protocol import MAX_PARTS
 
 __all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
 
@@ -40,8 +41,8 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
 
 
 def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
-    """Receive one message and the fd on it, if any (``recvmsg`` with ``MSG_CMSG_CLOEXEC``); the caller
-    owns the fd. ``timeout`` bounds the wait for the message to begin; once begun, the rest has
+    """Receive one message and the fds on it, if any (at most :data:`.protocol.MAX_PARTS`; ``recvmsg``
+    with ``MSG_CMSG_CLOEXEC``); the caller owns the fds. ``timeout`` bounds the wait for the message to begin; once begun, the rest has
     :data:`REST_TIMEOUT` seconds, so a short ``timeout`` never cuts a large message in two.
 
     Raises:
@@ -51,7 +52,7 @@ def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, An
             (every fd that arrived is closed first).
     """
     if _family(sock) == socket.AF_UNIX:
-        return recv_message(sock, timeout, max_fds=1, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
+        return recv_message(sock, timeout, max_fds=MAX_PARTS, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
     return _recv_framed(_tcp(sock), deadline_after(timeout), 0, MAX_FRAME, REST_TIMEOUT)
 
 

@@ -21,6 +21,8 @@ Programming Guide, "Virtual Memory Management".
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .. import _driver as driver
 from .._checks import byte_count, byte_offset
 from .._checks import round_up as _round_up
@@ -30,7 +32,7 @@ from ..errors import InvalidArgumentError, NotSupportedError
 from ..fd import OwnedFd, fd_is_open, fd_kind
 from ._base import Mechanism
 
-__all__ = ["export_posix_fd", "import_posix_fd", "granularity", "PosixFdMechanism"]
+__all__ = ["export_posix_fd", "import_posix_fd", "import_posix_fd_parts", "granularity", "PosixFdMechanism"]
 
 
 def _unmap(device: int, ptr: int, size: int) -> None:
@@ -122,12 +124,7 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         CudaError: any other driver failure (e.g. the fd is not a CUDA handle:
             ``CUDA_ERROR_INVALID_VALUE``).
     """
-    raw = fd.fd if isinstance(fd, OwnedFd) else fd
-    if not fd_is_open(raw):
-        raise InvalidArgumentError(f"fd {raw!r} is not an open file descriptor")
-    kind = _not_a_handle(raw)
-    if kind is not None:
-        raise InvalidArgumentError(f"fd {raw} is not a CUDA POSIX-fd handle: it is {kind}")
+    raw = _handle_fd(fd)
     size = byte_count(size)
     offset = byte_offset(offset)
     if export_size is not None:
@@ -155,6 +152,77 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         driver.vmm_set_access(ptr, map_size, [device])
         return ImportedBuffer(mechanism="posix-fd", ptr=ptr + offset, size=size, device=device,
                               cleanups=tx.commit())
+
+
+def _handle_fd(fd: int | OwnedFd) -> int:
+    raw = fd.fd if isinstance(fd, OwnedFd) else fd
+    if not fd_is_open(raw):
+        raise InvalidArgumentError(f"fd {raw!r} is not an open file descriptor")
+    kind = _not_a_handle(raw)
+    if kind is not None:
+        raise InvalidArgumentError(f"fd {raw} is not a CUDA POSIX-fd handle: it is {kind}")
+    return raw
+
+
+def import_posix_fd_parts(fds: Sequence[int | OwnedFd], sizes: Sequence[int], device: int = 0) -> ImportedBuffer:
+    """Import several POSIX-fd shareable handles and map them side by side in one reservation.
+
+    The exporter's memory was several ``cuMemCreate`` allocations mapped back to
+    back (torch's expandable segments map one per 2 or 20 MiB page); this gives
+    the importer the same contiguous bytes: ``cuMemImportFromShareableHandle``
+    per fd, one ``cuMemAddressReserve`` of ``sum(sizes)``, ``cuMemMap`` of each
+    part at its offset, one ``cuMemSetAccess`` (CUDA Driver API, "Virtual
+    Memory Management").
+
+    Args:
+        fds: the received fds, in address order (not consumed).
+        sizes: each part's size in bytes, a multiple of the granularity (2 MiB on H200).
+        device: CUDA ordinal of the importing device.
+
+    Returns:
+        ImportedBuffer(mechanism="posix-fd") of ``sum(sizes)`` bytes at the reservation's start.
+
+    Raises:
+        InvalidArgumentError: no fds, ``len(fds) != len(sizes)``, an fd that is closed or visibly no
+            CUDA handle, a size that is not a positive multiple of the granularity, or parts on
+            different devices.
+        NotSupportedError: the importing device cannot reach the memory's device (no peer access).
+        CudaError: any other driver failure (e.g. a size larger than the allocation:
+            ``CUDA_ERROR_INVALID_VALUE`` from ``cuMemMap``).
+    """
+    if not fds or len(fds) != len(sizes):
+        raise InvalidArgumentError(f"{len(fds)} fds for {len(sizes)} sizes: one fd per part, at least one")
+    raws = [_handle_fd(fd) for fd in fds]
+    sizes = [byte_count(n) for n in sizes]
+    total = sum(sizes)
+    driver.set_current(device)
+    with Transaction() as tx:
+        handles = []
+        for raw in raws:
+            handle = driver.vmm_import_posix_fd(raw)
+            tx.push(driver.vmm_release, handle)
+            handles.append(handle)
+        owners = {driver.vmm_allocation_device(h) for h in handles}
+        if len(owners) != 1:
+            raise InvalidArgumentError(f"the parts lie on devices {sorted(owners)}, not one")
+        owner = owners.pop()
+        if not 0 <= owner < driver.device_count():
+            raise NotSupportedError(driver.invisible_gpu_text("holding this memory"))
+        if owner != device and not driver.can_access_peer(device, owner):
+            raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
+                                    f"device {owner}")
+        gran = driver.vmm_granularity(owner)
+        if any(n % gran for n in sizes):
+            raise InvalidArgumentError(f"part sizes {sizes[:8]} are not multiples of the {gran}-byte granularity")
+        ptr = driver.vmm_reserve(total, gran)
+        tx.push(driver.vmm_address_free, ptr, total)
+        off = 0
+        for handle, n in zip(handles, sizes):
+            driver.vmm_map(ptr + off, n, handle)
+            tx.push(_unmap, device, ptr + off, n)
+            off += n
+        driver.vmm_set_access(ptr, total, [device])
+        return ImportedBuffer(mechanism="posix-fd", ptr=ptr, size=total, device=device, cleanups=tx.commit())
 
 
 class PosixFdMechanism(Mechanism):

@@ -124,13 +124,14 @@ def _emit(obj: dict[str, Any]) -> None:
 
 def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     from ...channel import SharedPool, listen
+    from ...channel.segments import segments_for
 
     host = cfg["host"]
     be: Any = _Numpy() if host else _Torch(cfg["devices"][0])
     shapes = [(n, tuple(s)) for n, s in cfg["shapes"]]
     total = payload_bytes(shapes) + 8 * len(shapes) + 256 * (len(shapes) + 1)
-    in_pool = not cfg.get("expandable")
-    max_bytes = total + (1 << 30 if not in_pool else 0)  # the expandable variant copies into the pool
+    in_pool = not cfg.get("expandable")  # else torch's own tensors: the channel lends their pages in place
+    max_bytes = total + (1 << 30 if not in_pool else 0)
     pool = SharedPool(None if host else cfg["devices"][0], chunk_bytes=min(cfg["chunk_bytes"], max_bytes),
                       max_bytes=max_bytes + cfg["chunk_bytes"])
     params = [be.from_pool(pool if in_pool else None, s) for _, s in shapes]
@@ -168,7 +169,9 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
                     lease = None
         finally:
             ch.close()
-    return {"send_ms": send_ms, "memory": mem, "in_place": in_pool}
+        # torch's tensors were lent in place exactly when nothing but the checksums went into the pool
+        in_place = in_pool or (pool.capacity <= cfg["chunk_bytes"] and len(segments_for(cfg["devices"][0])) > 0)
+    return {"send_ms": send_ms, "memory": mem, "in_place": in_place}
 
 
 def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -431,11 +434,14 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
     if not cfg["host"]:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True}, tmp,
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-        note = ("the channel shares in place only memory of a SharedPool; torch's expandable segments are not "
-                "exported, so send_many copied every tensor into the pool (cuMemcpyAsync) first")
-        rows.append(_row("expandable-segments", "ours",
-                         exp["engine"]["sync_ms"]["hand-off"] if exp["status"] == "ok" else None,
-                         status=exp["status"], reason=exp["reason"] or note, in_place=False))
+        ok = exp["status"] == "ok"
+        rows.append(_row("expandable-segments", "ours", exp["engine"]["sync_ms"]["hand-off"] if ok else None,
+                         status=exp["status"], reason=exp["reason"],
+                         bad_checksums=exp["engine"]["bad_checksums"] if ok else None,
+                         in_place=exp["trainer"]["in_place"] if ok else None,
+                         trainer=exp["trainer"]["memory"].get("hand-off") if ok else None,
+                         engine=exp["engine"]["memory"].get("hand-off") if ok else None,
+                         send_ms=_stats(exp["trainer"]["send_ms"]) if ok else None))
         for peer in ("torch-reductions", "ipc-buckets"):
             say(f"placement {label}: peer {peer}")
             res = _run_peer(peer, cfg, tmp)
@@ -515,6 +521,8 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
             ratio = f"{ms['p50'] / lim:.2f}" if ms and lim else "-"
             cpu = "/".join(_fmt((r.get(s) or {}).get("cpu_ms_per_step")) for s in ("trainer", "engine"))
             note = r.get("reason") or r.get("what") or ""
+            if r.get("in_place") is not None:
+                note = ("torch's pages lent in place " if r["in_place"] else "copied into the pool ") + note
             if r.get("bad_checksums"):
                 note = f"{r['bad_checksums']} BAD CHECKSUMS " + note
             if r.get("status") not in ("ok", None):

@@ -1,0 +1,332 @@
+"""Lending CUDA memory that is already shareable in place: the pages of torch's expandable segments.
+
+Under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` torch's caching
+allocator maps each segment page by page, each page a ``cuMemCreate``
+allocation that requests ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``
+(measured on H200 with torch 2.x: 2 MiB pages for small blocks, 20 MiB for
+large ones). Such a tensor can be lent without a copy: ``cuMemGetAddressRange``
+gives the bounds of the page holding an address, ``cuMemRetainAllocationHandle``
+the physical allocation behind it, and ``cuMemExportToShareableHandle`` its fd
+(CUDA Driver API, "Virtual Memory Management"). The pages a tensor covers form
+one *segment chunk*; the importer maps its parts back to back in one
+reservation (:func:`..mechanisms.posix_fd.import_posix_fd_parts`).
+
+Cached, per process and device: each segment chunk, by the pages it spans,
+with a retained handle per page. Sending from a known chunk again costs one
+``cuMemRetainAllocationHandle`` per page (about 1.4 us on H200), to check that
+torch still maps the same memory there, and no export. A chunk's fds are
+exported when it is announced on a connection (about 0.6 ms per page) and
+closed once sent, so that a model of a thousand pages does not hold a thousand
+fds.
+
+Lifetime: a lease holds the sent tensor, so torch cannot reuse its memory while
+the peer reads it. The retained handles keep pages alive after torch unmaps
+them (``torch.cuda.empty_cache``): a chunk whose addresses torch has mapped
+with other memory since is retired (on every channel) the next time a send
+meets it; :func:`release_segments` retires them all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import Any, Iterator
+
+from .. import _driver as driver
+from ..errors import CudaError
+from ..fd import OwnedFd
+from .pool import EventPool, chunk_ids
+from .protocol import MAX_PARTS
+
+__all__ = ["release_segments"]
+
+
+class SegmentChunk:
+    """Pages mapped back to back in this process: ``parts[i]`` bytes each from ``ptr``, one retained handle each."""
+
+    mechanism = "posix-fd"
+
+    def __init__(self, device: int, ptr: int, parts: list[int], handles: list[Any]) -> None:
+        self.id = next(chunk_ids)
+        self.device = device
+        self.device_uuid = driver.device_uuid(device)
+        self.ptr = ptr
+        self.parts = parts
+        self.starts = list(itertools.accumulate([ptr] + parts[:-1]))  # each page's address
+        self.size = sum(parts)
+        self.handles = handles  # ours (cuMemRetainAllocationHandle): released by release()
+        self.refs = 0  # blocks lent from it and not yet given back
+        self.stale = False  # torch maps other memory at some of its pages now: lend no more, retire when idle
+
+    def pages(self, ptr: int, end: int) -> range:
+        """Indices of the pages that ``[ptr, end)`` touches."""
+        return range(bisect.bisect_right(self.starts, ptr) - 1, bisect.bisect_left(self.starts, end))
+
+    def describe(self) -> dict[str, Any]:
+        """The ``chunk`` message; one fd per part rides along (:meth:`fds`)."""
+        return {"kind": "chunk", "chunk": self.id, "size": self.size, "mechanism": self.mechanism,
+                "device_uuid": self.device_uuid, "parts": list(self.parts)}
+
+    @contextlib.contextmanager
+    def fds(self) -> Iterator[list[int]]:
+        """Each page exported (``cuMemExportToShareableHandle``), closed when the message has gone."""
+        owned: list[OwnedFd] = []
+        try:
+            driver.set_current(self.device)
+            for h in self.handles:
+                owned.append(OwnedFd(driver.vmm_export_posix_fd(h)))
+            yield [fd.fd for fd in owned]
+        finally:
+            for fd in owned:
+                fd.close()
+
+    def release(self) -> None:
+        driver.set_current(self.device)
+        handles, self.handles = self.handles, []
+        for h in handles:
+            driver.vmm_release(h)
+
+
+class SegmentBlock:
+    """A tensor lent from a segment chunk: the whole chunk as its block, and the tensor held until the
+    lease ends."""
+
+    __slots__ = ("pool", "chunk", "offset", "size", "keep")
+
+    def __init__(self, segments: "Segments", chunk: SegmentChunk, keep: Any) -> None:
+        self.pool = segments
+        self.chunk = chunk
+        self.offset = 0
+        self.size = chunk.size
+        self.keep = keep
+        chunk.refs += 1
+
+    @property
+    def ptr(self) -> int:
+        return self.chunk.ptr
+
+
+class Segments:
+    """The segment chunks of one device in this process (see the module docstring); plays a pool's part
+    for leases: ``is_host``, ``device``, ``events``, ``_unref``, ``_register_channel``."""
+
+    is_host = False
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.events = EventPool(device)
+        self._lock = threading.Lock()
+        self._chunks: list[SegmentChunk] = []  # sorted by ptr
+        self._known: dict[tuple[int, int], SegmentChunk] = {}  # (ptr, span) sent before -> its chunk
+        self._channels: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._idle_stale: list[SegmentChunk] = []
+
+    def __len__(self) -> int:
+        """Segment chunks that new sends may lend from."""
+        with self._lock:
+            return len(self._chunks)
+
+    def _unref(self, block: SegmentBlock) -> None:
+        """The lease is over: torch may reuse the tensor's memory; a stale chunk retires once idle."""
+        block.keep = None
+        chunk = block.chunk
+        with self._lock:
+            chunk.refs -= 1
+            idle_stale = chunk.stale and chunk.refs == 0
+        if idle_stale:
+            self._retire([chunk])
+
+    def _register_channel(self, channel: Any) -> None:
+        with self._lock:
+            self._channels.add(channel)
+
+    def find_many(self, requests: list[tuple[int, int, Any]]) -> list[SegmentBlock | None]:
+        """For each ``(ptr, span, keep)`` the block that lends ``[ptr, ptr+span)`` in place, or ``None``
+        where that memory is not pages this library can export (not ``cuMemCreate`` memory, not
+        POSIX-fd exportable, on another device, a hole): the caller copies those.
+
+        A range sent before costs one ``cuMemRetainAllocationHandle`` per page to check that torch
+        still maps the same memory there; new ranges are grouped into chunks of pages that are
+        contiguous in the address space (at most :data:`~.protocol.MAX_PARTS` pages each), so a
+        state dict in one expandable segment travels as a few chunks.
+
+        Raises:
+            CudaError: a driver call failed other than by saying the memory is not ``cuMemCreate``'s.
+        """
+        out: list[SegmentBlock | None] = [None] * len(requests)
+        with self._lock:
+            todo = self._reuse(requests, out)
+            if todo:
+                self._lend_new(requests, todo, out)
+            idle, self._idle_stale = self._idle_stale, []
+        self._retire(idle)
+        return out
+
+    def _reuse(self, requests: list[tuple[int, int, Any]], out: list[SegmentBlock | None]) -> list[int]:
+        """Lend from known chunks whose pages are still the same; returns the indices left to do."""
+        todo, hits, bad = [], [], set()
+        checked: dict[tuple[int, int], bool] = {}  # (chunk id, page) -> same memory there
+        for i, (ptr, span, _) in enumerate(requests):
+            chunk = self._known.get((ptr, span))
+            if chunk is None or chunk.stale:
+                todo.append(i)
+                continue
+            for k in chunk.pages(ptr, ptr + span):
+                same = checked.get((chunk.id, k))
+                if same is None:
+                    same = checked[(chunk.id, k)] = self._same_page(chunk, k)
+                if not same:
+                    bad.add(chunk)
+                    break
+            hits.append((i, chunk))
+        for chunk in bad:
+            self._mark_stale(chunk)
+        for i, chunk in hits:
+            if chunk.stale:
+                todo.append(i)
+            else:
+                out[i] = SegmentBlock(self, chunk, requests[i][2])
+        return sorted(todo)
+
+    @staticmethod
+    def _same_page(chunk: SegmentChunk, k: int) -> bool:
+        """Whether page ``k`` is still the chunk's allocation (one torch unmapped and mapped again is
+        another: our retained handle keeps the old one alive, so its value cannot come back)."""
+        try:
+            now = driver.vmm_retain_handle(chunk.starts[k])
+        except CudaError:
+            return False
+        driver.vmm_release(now)
+        return int(now) == int(chunk.handles[k])
+
+    def _lend_new(self, requests: list[tuple[int, int, Any]], todo: list[int],
+                  out: list[SegmentBlock | None]) -> None:
+        driver.set_current(self.device)
+        walked = []
+        for i in todo:
+            ptr, span, _ = requests[i]
+            pages = self._walk(ptr, ptr + span)
+            if pages is not None and len(pages) <= MAX_PARTS:  # longer ones are copied
+                walked.append((pages[0][0], i, pages))
+        walked.sort()
+        run: dict[int, int] = {}  # page address -> size: pages of requests that touch, at most MAX_PARTS
+        items: list[int] = []
+        end = 0
+        for first, i, pages in walked + [(None, -1, [])]:
+            new = [(b, n) for b, n in pages if b >= end]
+            if run and (first is None or first > end or len(run) + len(new) > MAX_PARTS):
+                chunk = self._new_chunk(sorted(run.items()))
+                for j in items:
+                    if chunk is not None:
+                        out[j] = SegmentBlock(self, chunk, requests[j][2])
+                        self._known[requests[j][:2]] = chunk
+                run, items, new = {}, [], pages
+            run.update(new)
+            items.append(i)
+            end = max(end, pages[-1][0] + pages[-1][1]) if pages else end
+        if len(self._known) > 1 << 16:  # a cache, not a record: forget it rather than grow without bound
+            self._known.clear()
+
+    @staticmethod
+    def _walk(ptr: int, end: int) -> list[tuple[int, int]] | None:
+        """The ``cuMemCreate`` pages ``(address, size)`` covering ``[ptr, end)``, or ``None`` for memory
+        that is not ``cuMemCreate``'s or has a hole."""
+        try:
+            h = driver.vmm_retain_handle(ptr)
+        except CudaError:
+            return None  # cudaMalloc memory, another allocator's pool
+        driver.vmm_release(h)
+        pages = []
+        try:
+            at, n = driver.mem_address_range(ptr)
+            pages.append((at, n))
+            at += n
+            while at < end:
+                b, n = driver.mem_address_range(at)
+                if b != at:
+                    return None
+                pages.append((b, n))
+                at += n
+        except CudaError:
+            return None  # a hole: nothing mapped there
+        return pages
+
+    def _new_chunk(self, pages: list[tuple[int, int]]) -> SegmentChunk | None:
+        handles: list[Any] = []
+        chunk = None
+        try:
+            for at, _ in pages:
+                handles.append(driver.vmm_retain_handle(at))
+                prop = driver.vmm_allocation_properties(handles[-1])
+                if prop["device"] != self.device or not prop["posix_fd"]:
+                    return None
+            chunk = SegmentChunk(self.device, pages[0][0], [n for _, n in pages], handles)
+        except CudaError:
+            return None
+        finally:
+            if chunk is None:
+                for h in handles:
+                    driver.vmm_release(h)
+        bisect.insort(self._chunks, chunk, key=lambda c: c.ptr)
+        return chunk
+
+    def _mark_stale(self, chunk: SegmentChunk) -> None:
+        """Lend no more from ``chunk``; retire it now if idle, else when its last block comes back."""
+        chunk.stale = True
+        self._chunks.remove(chunk)
+        self._known = {k: c for k, c in self._known.items() if c is not chunk}
+        if chunk.refs == 0:
+            self._idle_stale.append(chunk)  # retired once the lock is let go
+
+    def _retire(self, chunks: list[SegmentChunk]) -> None:
+        with self._lock:
+            channels = list(self._channels)
+        for chunk in chunks:
+            for ch in channels:
+                ch._retire_chunk(chunk.id)
+            chunk.release()
+
+    def release(self) -> int:
+        """Retire every chunk on every channel now (those with blocks still lent: once given back) and
+        release its pages; returns how many."""
+        with self._lock:
+            chunks = list(self._chunks)
+            idle = [c for c in chunks if c.refs == 0]
+            for c in chunks:
+                c.stale = True
+            self._chunks.clear()
+            self._known.clear()
+        self._retire(idle)
+        return len(chunks)
+
+
+_SEGMENTS: dict[int, Segments] = {}
+_SEGMENTS_LOCK = threading.Lock()
+
+
+def segments_for(device: int) -> Segments:
+    """This process's :class:`Segments` for ``device`` (made once)."""
+    seg = _SEGMENTS.get(device)
+    if seg is None:
+        with _SEGMENTS_LOCK:
+            seg = _SEGMENTS.setdefault(device, Segments(device))
+    return seg
+
+
+def release_segments() -> int:
+    """Forget every torch page this process has lent in place: each segment chunk is retired on every
+    channel that has it (the peer unmaps it once it holds no array in it) and its retained handles
+    are released, so pages torch has given back (``torch.cuda.empty_cache``) are freed.
+
+    Returns:
+        how many segment chunks were retired.
+
+    Raises:
+        CudaError: ``cuMemRelease`` failed.
+    """
+    with _SEGMENTS_LOCK:
+        segs = list(_SEGMENTS.values())
+    return sum(seg.release() for seg in segs)
