@@ -73,7 +73,9 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     assert memfd["status"] == "ok" and memfd["kind"] == "ours"
     _check_cells(memfd, [4096, 65536])
     assert all(c["reps"] == 3 for c in memfd["cells"])
-    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "throughput", "memory"}
+    assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "first_handoff",
+                                    "throughput", "memory"}
+    assert memfd["first_handoff_us"] > 0  # the run's very first hand-off, reported apart from the cells
     assert data["plot"] is None
 
 
@@ -97,6 +99,9 @@ def test_channel_host_bench_runs_and_writes_json(tmp_path):
         for phase in ("transport", "import_map", "first_access"):
             assert all(x >= 0 for x in cell["samples_us"][phase])
         assert cell["phases_us"]["total"]["median"] >= cell["phases_us"]["transport"]["median"]
+    # the first hand-off goes through a fresh channel: connect and handshake are in it, so it is the slowest
+    assert mech["first_handoff_us"] >= max(c["phases_us"]["total"]["median"] for c in mech["cells"])
+    assert "first hand-off of each run" in out.stdout
     # pipelined throughput over a host pool, and its line among the targets
     tput = data["throughput"]["channel-host"]
     assert tput["status"] == "ok" and tput["per_second"] > 0 and tput["size"] == 1 << 20, tput
@@ -227,7 +232,8 @@ CONFIG = {"mechanism": "memfd", "sizes": [4096], "reps": 1, "warmup": 0, "device
 def test_every_kind_builds_and_checks():
     samples = {
         "config": CONFIG, "hello": {"role": "producer", "status": "ok", "versions": {}, "pid": 1},
-        "rec": {"t": [1, None, None], "steps": {"cuMemCreate": 5}}, "cell": {"size": 4096, "import": "ok"},
+        "rec": {"t": [1, None, None], "steps": {"cuMemCreate": 5}}, "first": {"t": [1, 2, 3]},
+        "cell": {"size": 4096, "import": "ok"},
         "bw": {"result": {"size": 4096, "device": 0}}, "overhead": {"result": {}}, "done": {"role": "consumer"},
         "error": {"reason": "x", "unsupported": False}, "ready": {"size": 4096}, "handoff": {"rep": 0},
         "ack": {"rep": 0}, "pool": {}, "channel": {"address": "/tmp/x.sock"},

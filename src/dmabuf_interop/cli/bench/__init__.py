@@ -224,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
                 res = run_pair(name, cfg, progress)
                 entry.update(status=res["status"], reason=res["reason"], cells=res["cells"],
                              versions=res["versions"], seconds=round(time.monotonic() - t, 1))
+                if res.get("first_handoff_us") is not None:
+                    entry["first_handoff_us"] = res["first_handoff_us"]
                 if name not in CUDA_FREE:
                     entry["devices"] = {"producer": producer, "consumer": consumer}
                 imports = sorted({c["import"] for c in res["cells"] if "import" in c})

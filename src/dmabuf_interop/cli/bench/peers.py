@@ -64,6 +64,8 @@ class Peer:
 
     def setup(self) -> dict[str, Any]:
         """Create the CUDA context and warm the kernels before timing. Returns library versions."""
+        import numpy  # noqa: F401 - every mechanism's first hand-off alike: no module import in it
+
         if self.uses_cuda:
             driver.set_current(self.device)
             if self.role == "consumer":
@@ -321,9 +323,10 @@ class MemfdPeer(Peer):
 class ChannelPeer(Peer):
     """A :class:`~dmabuf_interop.channel.SharedPool` exported once, blocks lent over a channel.
 
-    Set-up: the producer creates the pool on its device, listens (``channel.listen``) on a path in a
-    fresh private folder and sends that path (``channel`` message); the consumer calls
-    ``channel.connect``. Per cell the producer fills a ring of
+    Set-up: the producer creates the pool on its device (its first chunk exported at once), listens
+    (``channel.listen``) on a path in a fresh private folder and sends that path (``channel`` message).
+    The first hand-off of the run includes ``accept`` / ``connect``, the handshake and the chunk's fd,
+    so it measures a fresh channel. Per cell the producer fills a ring of
     :data:`~.catalog.CACHED_RING` ``pool.empty`` arrays; before t0 it waits for the lease on the slot
     it reuses (released two repetitions earlier, so the wait is normally over). No export happens per
     hand-off: t_exp = t_send = t0 and ``Channel.send`` is timed as transport.
@@ -332,7 +335,7 @@ class ChannelPeer(Peer):
     host = False
 
     def setup(self) -> dict[str, Any]:
-        from ...channel import SharedPool, connect, listen
+        from ...channel import SharedPool, listen
         from ..._checks import round_up
 
         out = super().setup()
@@ -341,15 +344,19 @@ class ChannelPeer(Peer):
             room = (CACHED_RING + 1) * biggest + (64 << 20)  # the ring, plus slack for first-fit placement
             self.pool = SharedPool(None if self.host else self.producer_device,
                                    chunk_bytes=min(64 << 20, room), max_bytes=room)
+            self.pool.empty(1, "uint8")  # the first chunk is exported now, as a server would at start-up
             self.folder = tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-")
             address = os.path.join(self.folder.name, "channel.sock")
             self.listener = listen(address, pool=self.pool)
             send_message(self.pc, make("channel", address=address))
-            self.ch = self.listener.accept(timeout=self.timeout)
         else:
-            msg = check(recv_message(self.pc, self.timeout, max_fds=0)[0], "channel")
-            self.ch = connect(msg["address"], timeout=self.timeout,
-                              device=None if self.host else self.consumer_device)
+            self.address = check(recv_message(self.pc, self.timeout, max_fds=0)[0], "channel")["address"]
+            # Modules the first hand-off would load, loaded in set-up as torch-ipc's set-up imports torch:
+            # the first hand-off measures a fresh channel, not a fresh interpreter.
+            from ...mechanisms import memfd, posix_fd  # noqa: F401
+            if not self.host:
+                from cuda.core.utils import StridedMemoryView  # noqa: F401
+        self.ch = None  # connected inside the first hand-off, which so measures a fresh channel
         return out
 
     def cell(self, size: int) -> None:
@@ -363,12 +370,18 @@ class ChannelPeer(Peer):
         if self.leases[slot] is not None:
             self.leases[slot].wait(self.timeout)
         t0 = now()
+        if self.ch is None:  # the first hand-off: accept, handshake, the chunk's fd, then the block
+            self.ch = self.listener.accept(timeout=self.timeout)
         self.leases[slot] = self.ch.send(self.ring[slot], timeout=self.timeout)
         return {"t": [t0, t0, t0]}
 
     def consume(self, rep: int) -> dict[str, Any]:
         # the producer's event is waited on the stream read4 uses (and release() synchronises)
         stream = None if self.host else self.reader(self.consumer_device).stream
+        if self.ch is None:
+            from ...channel import connect
+
+            self.ch = connect(self.address, timeout=self.timeout, device=None if self.host else self.consumer_device)
         self.received = self.ch.recv(self.timeout, stream=stream)
         t_recv = now()
         view = self.received.as_array()
@@ -612,6 +625,7 @@ assert set(PEERS) == set(MECHANISMS)
 def _latency(peer: Peer, ctl: socket.socket) -> None:
     """Every cell of :mod:`.protocol`'s latency exchange, then the records to the parent."""
     warm, reps = int(peer.cfg["warmup"]), int(peer.cfg["reps"])
+    first = None  # the very first hand-off of the run (first cell, first warm-up): reported on its own
     for size in peer.cfg["sizes"]:
         peer.cell(size)
         records = []
@@ -621,6 +635,7 @@ def _latency(peer: Peer, ctl: socket.socket) -> None:
                 rec = peer.produce(rep)
                 check(recv_message(peer.pc, peer.timeout, max_fds=0)[0], "ack")
                 peer.release_producer()
+                first = rec if first is None else first
                 if rep >= warm:
                     records.append(rec)
         else:
@@ -629,9 +644,13 @@ def _latency(peer: Peer, ctl: socket.socket) -> None:
                 rec = peer.consume(rep)
                 peer.release_consumer()
                 send_message(peer.pc, make("ack", rep=rep))
+                first = rec if first is None else first
                 if rep >= warm:
                     records.append(rec)
         info = peer.cell_end()
+        if first is not None and "t" in first:
+            send_message(ctl, make("first", t=first["t"]))
+            first = {}
         for rec in records:
             send_message(ctl, make("rec", **rec))
         send_message(ctl, make("cell", size=size, **info))

@@ -20,6 +20,8 @@ hello      child -> parent  role, status (``ok``/``not installed``/``unsupported
 rec        child -> parent  t: three ``CLOCK_MONOTONIC`` ns stamps (producer: t0, t_exp, t_send;
                             consumer: t_recv, t_imp, t_read, the last two ``null`` without an
                             import); steps? (driver call -> ns); first_share?
+first      child -> parent  t: the stamps of the run's very first hand-off (first cell, first warm-up),
+                            before the first cell's ``rec`` s
 cell       child -> parent  size, import? (the consumer's import status); after its ``rec`` s
 bw         child -> parent  result: one size of the bandwidth pass
 overhead   child -> parent  result: the Python-overhead measurement
@@ -67,6 +69,7 @@ SPEC: dict[str, dict[str, Any]] = {
     "config": {"mechanism": str, "sizes": list, "reps": int, "warmup": int, "devices": list, "timeout": _NUM},
     "hello": {"role": str, "status": str, "reason?": (str, type(None)), "versions?": dict, "pid?": int},
     "rec": {"t": list, "steps?": dict, "first_share?": bool},
+    "first": {"t": list},
     "cell": {"size": int, "import?": str},
     "bw": {"result": dict},
     "overhead": {"result": dict},

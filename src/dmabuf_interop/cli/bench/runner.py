@@ -38,7 +38,7 @@ from .report import fmt, ratio, size_label
 __all__ = ["PHASES", "percentile", "cell_stats", "run_pair"]
 
 PHASES = ("export", "transport", "import_map", "first_access", "total", "export_transport")
-_REPORTS = ("hello", "rec", "cell", "bw", "overhead", "done", "error")
+_REPORTS = ("hello", "rec", "first", "cell", "bw", "overhead", "done", "error")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,6 +122,7 @@ class _Role:
     def __init__(self) -> None:
         self.hello: dict[str, Any] | None = None
         self.recs: list[dict[str, Any]] = []
+        self.first: list[Any] | None = None  # the ``t`` of the run's very first hand-off
         self.cells: dict[int, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
         self.ended = False
         self.done = False
@@ -220,6 +221,13 @@ def _dispatch(name: str, role: str, msg: dict[str, Any], roles: dict[str, _Role]
             progress.say(f"{name}: {role}: {msg['status']}: {msg.get('reason')}")
     elif kind == "rec":
         st.recs.append(msg)
+    elif kind == "first":
+        st.first = msg["t"]
+        prod, cons = roles["producer"].first, roles["consumer"].first
+        if prod is not None and cons is not None:
+            # producer starts -> consumer has read (received, where nothing is imported)
+            end = cons[2] if cons[2] is not None else cons[0]
+            out["first_handoff_us"] = round((end - prod[0]) / 1e3, 2)
     elif kind == "cell":
         size = msg["size"]
         st.cells[size] = (st.recs, msg)
