@@ -119,12 +119,14 @@ class Lease:
             if self.reason is not None:
                 return
             self.reason = reason
-        for b in self._blocks:
-            b.pool._unref(b)
-        if self._event is not None:
-            self._events.give(self._event)
-        self._blocks = []
-        self._out.release()
+        try:
+            for b in self._blocks:
+                b.pool._unref(b)
+            if self._event is not None:
+                self._events.give(self._event)
+        finally:  # whatever giving back raised, the lease is over
+            self._blocks = []
+            self._out.release()
 
     def __repr__(self) -> str:
         return f"<Lease {self.id} {'done: ' + str(self.reason) if self.done else 'out'}>"
@@ -660,6 +662,8 @@ class Channel:
     def _lend_in_place(self, found: list[list[Any]]) -> None:
         """Fill in the block of each device array in no pool whose memory torch's expandable segments
         hold, lent in place (:mod:`.segments`), one batch per device."""
+        if self.pool is not None and self.pool.is_host:
+            return  # a host-pool channel: its peer may have no GPU; device arrays are copied to the host
         by_device: dict[int, list[list[Any]]] = {}
         for f in found:
             src, _, span, block = f

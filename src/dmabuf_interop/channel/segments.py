@@ -41,7 +41,11 @@ from ..fd import OwnedFd
 from .pool import EventPool, chunk_ids
 from .protocol import MAX_PARTS
 
-__all__ = ["release_segments"]
+__all__ = ["release_segments", "MAX_SEGMENT_CHUNKS"]
+
+#: Most segment chunks a device keeps lendable (the oldest idle ones are retired beyond it): well
+#: under what a peer maps from one channel (``channel.MAX_CHUNKS``).
+MAX_SEGMENT_CHUNKS = 1024
 
 
 class SegmentChunk:
@@ -130,14 +134,16 @@ class Segments:
             return len(self._chunks)
 
     def _unref(self, block: SegmentBlock) -> None:
-        """The lease is over: torch may reuse the tensor's memory; a stale chunk retires once idle."""
+        """The lease is over: torch may reuse the tensor's memory; a stale chunk retires once idle, in a
+        thread of its own (this runs in a channel's reader, which must not wait on other channels)."""
         block.keep = None
         chunk = block.chunk
         with self._lock:
             chunk.refs -= 1
             idle_stale = chunk.stale and chunk.refs == 0
         if idle_stale:
-            self._retire([chunk])
+            threading.Thread(target=self._retire, args=([chunk],), name="dmabuf-interop-segment-retire",
+                             daemon=True).start()
 
     def _register_channel(self, channel: Any) -> None:
         with self._lock:
@@ -158,10 +164,18 @@ class Segments:
         """
         out: list[SegmentBlock | None] = [None] * len(requests)
         with self._lock:
-            todo = self._reuse(requests, out)
-            if todo:
-                self._lend_new(requests, todo, out)
-            idle, self._idle_stale = self._idle_stale, []
+            try:
+                todo = self._reuse(requests, out)
+                if todo:
+                    self._lend_new(requests, todo, out)
+                self._trim()
+            except BaseException:
+                for b in out:  # nothing lent: give back what was
+                    if b is not None:
+                        b.chunk.refs -= 1
+                raise
+            finally:
+                idle, self._idle_stale = self._idle_stale, []
         self._retire(idle)
         return out
 
@@ -202,15 +216,38 @@ class Segments:
         driver.vmm_release(now)
         return int(now) == int(chunk.handles[k])
 
+    def _covering(self, ptr: int, end: int, out_stale: set[SegmentChunk]) -> SegmentChunk | None:
+        """A live chunk holding all of ``[ptr, end)`` with the same memory there, if any; chunks that
+        overlap the range with other memory now go into ``out_stale``."""
+        found = None
+        i = bisect.bisect_right(self._chunks, ptr, key=lambda c: c.ptr)
+        for c in reversed(self._chunks[:i]):  # chunks starting at or before ptr that reach into the range
+            if c.ptr + c.size <= ptr:
+                continue
+            pages = c.pages(ptr, min(end, c.ptr + c.size))
+            if not all(self._same_page(c, k) for k in pages):
+                out_stale.add(c)
+            elif found is None and end <= c.ptr + c.size:
+                found = c
+        return found
+
     def _lend_new(self, requests: list[tuple[int, int, Any]], todo: list[int],
                   out: list[SegmentBlock | None]) -> None:
         driver.set_current(self.device)
         walked = []
+        stale: set[SegmentChunk] = set()
         for i in todo:
-            ptr, span, _ = requests[i]
+            ptr, span, keep = requests[i]
+            chunk = self._covering(ptr, ptr + span, stale)
+            if chunk is not None and chunk not in stale:  # pages already lent under another range
+                out[i] = SegmentBlock(self, chunk, keep)
+                self._known[(ptr, span)] = chunk
+                continue
             pages = self._walk(ptr, ptr + span)
             if pages is not None and len(pages) <= MAX_PARTS:  # longer ones are copied
                 walked.append((pages[0][0], i, pages))
+        for chunk in stale:  # blocks already lent from one keep it until they come back
+            self._mark_stale(chunk)
         walked.sort()
         run: dict[int, int] = {}  # page address -> size: pages of requests that touch, at most MAX_PARTS
         items: list[int] = []
@@ -272,6 +309,13 @@ class Segments:
                     driver.vmm_release(h)
         bisect.insort(self._chunks, chunk, key=lambda c: c.ptr)
         return chunk
+
+    def _trim(self) -> None:
+        """Keep at most :data:`MAX_SEGMENT_CHUNKS` chunks: retire the oldest idle ones beyond it."""
+        excess = len(self._chunks) - MAX_SEGMENT_CHUNKS
+        if excess > 0:
+            for c in sorted((c for c in self._chunks if c.refs == 0), key=lambda c: c.id)[:excess]:
+                self._mark_stale(c)
 
     def _mark_stale(self, chunk: SegmentChunk) -> None:
         """Lend no more from ``chunk``; retire it now if idle, else when its last block comes back."""
