@@ -740,10 +740,12 @@ class Channel:
 
         An array inside a pool block (from :meth:`SharedPool.empty`, or a view
         of one: any non-negative strides that are multiples of the itemsize)
-        goes zero-copy; any other array is first copied, C-contiguous, into a
-        new block of this channel's pool (host: ``numpy.copyto``; device:
-        ``cuMemcpyAsync`` on ``stream``). The first use of a chunk sends its fd
-        (``SCM_RIGHTS``) once.
+        goes zero-copy, and so does a device array in torch's expandable
+        segments on a channel without a host pool (its pages are lent in place:
+        :mod:`.segments`, unless :attr:`share_segments` is false); any other
+        array is first copied, C-contiguous, into a new block of this channel's
+        pool (host: ``numpy.copyto``; device: ``cuMemcpyAsync`` on ``stream``).
+        The first use of a chunk sends its fds (``SCM_RIGHTS``) once.
 
         Args:
             array: NumPy, torch, CuPy, ``StridedMemoryView``, or anything ``numpy.asarray`` takes.
