@@ -163,20 +163,23 @@ class Segments:
             CudaError: a driver call failed other than by saying the memory is not ``cuMemCreate``'s.
         """
         out: list[SegmentBlock | None] = [None] * len(requests)
-        with self._lock:
-            try:
-                todo = self._reuse(requests, out)
-                if todo:
-                    self._lend_new(requests, todo, out)
-                self._trim()
-            except BaseException:
-                for b in out:  # nothing lent: give back what was
-                    if b is not None:
-                        b.chunk.refs -= 1
-                raise
-            finally:
-                idle, self._idle_stale = self._idle_stale, []
-        self._retire(idle)
+        idle: list[SegmentChunk] = []
+        try:
+            with self._lock:
+                try:
+                    todo = self._reuse(requests, out)
+                    if todo:
+                        self._lend_new(requests, todo, out)
+                    self._trim()
+                except BaseException:
+                    for b in out:  # nothing lent: give back what was
+                        if b is not None:
+                            b.chunk.refs -= 1
+                    raise
+                finally:
+                    idle, self._idle_stale = self._idle_stale, []
+        finally:  # stale chunks found on the way are retired even when this call fails
+            self._retire(idle)
         return out
 
     def _reuse(self, requests: list[tuple[int, int, Any]], out: list[SegmentBlock | None]) -> list[int]:
