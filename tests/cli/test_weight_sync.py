@@ -57,6 +57,18 @@ def test_host_workload_runs_in_real_processes(tmp_path, workload):
     assert all(t["met"] is None for t in data["targets"])  # the targets are for GPUs
 
 
+def test_paths_selects_what_runs(tmp_path):
+    path = tmp_path / "ws.json"
+    out = run_cli("bench", "--workload", "ws-moe", "--small", "--host", "--reps", "2", "--warmup", "1",
+                  "--paths", "hand-off,copy-limit", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(path.read_text())
+    assert data["config"]["paths"] == ["hand-off", "copy-limit"] and data["config"]["variants"] == ["hand-off"]
+    assert [r["path"] for r in data["placements"][0]["rows"]] == ["hand-off", "copy-limit"]
+    bad = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--paths", "hand-off,nope")
+    assert bad.returncode == 2 and "unknown path(s) nope" in bad.stderr
+
+
 def test_host_example_runs_in_two_processes(tmp_path):
     addr = str(tmp_path / "w.sock")
     env = env_with_src()

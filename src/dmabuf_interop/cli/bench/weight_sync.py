@@ -283,6 +283,18 @@ def _child(argv: list[str]) -> int:
 
 # --- the parent: spawn, collect, report ------------------------------------------------------
 
+#: Every path a placement runs, in table order: ours, the peers, the limit.
+PATHS = ("hand-off", "copy", "expandable-segments", "torch-reductions", "ipc-buckets", "copy-limit")
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [n for n in names if n not in PATHS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {', '.join(bad) or '(none)'}; choose from {', '.join(PATHS)}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The weight-sync options of ``bench`` (it also uses ``--reps``, ``--warmup``, ``--devices``, ``--json``,
     ``--plot`` and ``--timeout``)."""
@@ -291,6 +303,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bf16 state dict from a trainer to an engine every step; --devices P,C with C != P "
                         "adds the other-GPU placement")
     p.add_argument("--small", action="store_true", help="with --workload: a few-MB model of the same layout")
+    p.add_argument("--paths", type=_paths, default=PATHS, metavar="P,Q",
+                   help=f"with --workload: the paths to run, comma-separated (default all: {','.join(PATHS)})")
     p.add_argument("--host", action="store_true", help="with --workload: host pools (memfd, NumPy), no GPU")
 
 
@@ -422,7 +436,8 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
     """Every path for one placement: ours (hand-off, copy, expandable segments), the peers, the limit."""
     rows: list[dict[str, Any]] = []
     say(f"placement {label}: trainer GPU/engine GPU {cfg['devices']}" if not cfg["host"] else "host pools")
-    ours = _run_ours(cfg, tmp)
+    paths = cfg.get("paths", PATHS)
+    ours = _run_ours(cfg, tmp) if cfg["variants"] else {"status": "ok"}
     for v in cfg["variants"]:
         if ours["status"] != "ok":
             rows.append(_row(v, "ours", None, status=ours["status"], reason=ours["reason"]))
@@ -431,7 +446,7 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
         rows.append(_row(v, "ours", eng["sync_ms"][v], status="ok", bad_checksums=eng["bad_checksums"],
                          trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
                          send_ms=_stats(tr["send_ms"])))
-    if not cfg["host"]:
+    if not cfg["host"] and "expandable-segments" in paths:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True}, tmp,
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
         ok = exp["status"] == "ok"
@@ -442,7 +457,8 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
                          trainer=exp["trainer"]["memory"].get("hand-off") if ok else None,
                          engine=exp["engine"]["memory"].get("hand-off") if ok else None,
                          send_ms=_stats(exp["trainer"]["send_ms"]) if ok else None))
-        for peer in ("torch-reductions", "ipc-buckets"):
+    for peer in ("torch-reductions", "ipc-buckets"):
+        if not cfg["host"] and peer in paths:
             say(f"placement {label}: peer {peer}")
             res = _run_peer(peer, cfg, tmp)
             rows.append(_row(peer, "peer", res["engine"]["sync_ms"] if res["status"] == "ok" else None,
@@ -452,6 +468,8 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
                              if res["status"] == "ok" else None,
                              engine={"cpu_ms_per_step": res["engine"]["cpu_ms_per_step"]}
                              if res["status"] == "ok" else None))
+    if "copy-limit" not in paths:
+        return {"placement": label, "devices": cfg["devices"], "rows": rows}
     lim = _run_limit(cfg, tmp)
     limit = lim.get("result") or {}
     key = "peer_ms" if cfg["devices"][0] != cfg["devices"][1] else "copy_ms"
@@ -581,7 +599,8 @@ def main(args: argparse.Namespace) -> int:
     total = payload_bytes(shapes)
     base = {"workload": args.workload, "small": args.small, "host": host, "shapes": shapes, "reps": args.reps,
             "warmup": args.warmup, "timeout": args.timeout, "payload_bytes": total,
-            "variants": ["hand-off", "copy"], "chunk_bytes": 2 << 30 if not args.small else 16 << 20}
+            "variants": [v for v in ("hand-off", "copy") if v in args.paths], "paths": list(args.paths),
+            "chunk_bytes": 2 << 30 if not args.small else 16 << 20}
     plan = [("host", [-1, -1])] if host else [("A", [p, p])] + ([("B", [p, c])] if c != p else [])
     results: dict[str, Any] = {
         "schema": 1, "command": "dmabuf-interop " + shlex.join(sys.argv[1:]),
