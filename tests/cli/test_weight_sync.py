@@ -65,6 +65,7 @@ def test_paths_selects_what_runs(tmp_path):
     data = json.loads(path.read_text())
     assert data["config"]["paths"] == ["hand-off", "copy-limit"] and data["config"]["variants"] == ["hand-off"]
     assert [r["path"] for r in data["placements"][0]["rows"]] == ["hand-off", "copy-limit"]
+    assert all(t["met"] is None for t in data["targets"])  # host pools; and no peer, no peer ratio
     bad = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--paths", "hand-off,nope")
     assert bad.returncode == 2 and "unknown path(s) nope" in bad.stderr
 

@@ -501,8 +501,8 @@ def targets(workload: str, placements: list[dict[str, Any]], host: bool) -> list
             (f"copy <= {COPY_TARGET_RATIO}x the copy limit", cp is not None and lim and cp <= COPY_TARGET_RATIO * lim,
              cp is not None and lim and f"{cp / lim:.2f}x"),
             (f"hand-off >= {PEER_TARGET_RATIO:g}x faster than the best peer",
-             hm and peers and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
-             hm and peers and f"{min(peers) / max(hm['p50'], 1e-9):.1f}x"),
+             bool(hm and peers) and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
+             f"{min(peers) / max(hm['p50'], 1e-9):.1f}x" if hm and peers else None),
         ]
         growth = []
         for r in rows:
@@ -513,7 +513,7 @@ def targets(workload: str, placements: list[dict[str, Any]], host: bool) -> list
                 if m.get("free_after") is not None:
                     growth.append(m["free_before"] - m["free_after"])
         checks.append(("zero growth (free device memory, fds) over the timed steps",
-                       bool(growth) and all(g <= 0 for g in growth), f"max {max(growth) if growth else '-'}"))
+                       bool(growth) and all(g <= 0 for g in growth), f"max {max(growth)}" if growth else None))
         for text, met, value in checks:
             out.append({"placement": label, "target": text, "met": None if host or value in (None, False)
                         else bool(met), "value": value or None})
