@@ -456,6 +456,7 @@ class _Source:
     dtype: str
     known_device: int | None  # -1: host; None: ask the driver only if a copy needs it
     obj: Any
+    whole_items: bool = False  # strides known to be multiples of the itemsize (torch's are in elements)
 
     @property
     def device(self) -> int:
@@ -476,7 +477,7 @@ def _inspect(array: Any) -> _Source:
         dtype, es = known
         dev = array.get_device()  # -1 for CPU tensors
         return _Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
-                       dev, array)
+                       dev, array, True)
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         from .. import _driver as driver
@@ -527,6 +528,18 @@ def _is_host_ptr(view: Any) -> bool:
         return driver.pointer_facts(int(view.ptr))["memory_type"] == host
     except DmaBufError:
         return False
+
+
+def _wire_descs(placed: list[Any], order: str, ev64: str | None, meta: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The wire form of :meth:`ArrayDescriptor.to_json` for each placed array, built directly (a batch
+    has thousands of items); ``meta`` rides on the first."""
+    descs = [{"chunk": block.chunk.id, "block_offset": block.offset, "block_bytes": block.size,
+              "byte_offset": off, "shape": list(shape), "strides": list(strides), "dtype": dtype,
+              "ordering": order, "event": ev64, "name": name, "meta": None}
+             for name, block, off, shape, strides, dtype in placed]
+    if descs:
+        descs[0]["meta"] = meta
+    return descs
 
 
 class Channel:
@@ -685,7 +698,7 @@ class Channel:
         copied_from_device). On failure ``block`` is released."""
         shape, strides = src.shape, tuple(src.strides)
         if block is not None:
-            if itemsize > 1 and any(st % itemsize for st in strides):
+            if itemsize > 1 and not src.whole_items and any(st % itemsize for st in strides):
                 block.pool._unref(block)
                 raise InvalidArgumentError(f"strides {strides} are not multiples of the itemsize {itemsize}: "
                                            f"DLPack cannot describe them")
@@ -847,8 +860,10 @@ class Channel:
                     event = events.take()
                     driver.event_record(event[0], h)
                     order = "event"
+            announced = self._announced
             for _, block, *_ in placed:
-                self._announce(block)
+                if block.chunk.id not in announced:
+                    self._announce(block)
         except BaseException:
             for _, block, *_ in placed:
                 block.pool._unref(block)
@@ -860,20 +875,13 @@ class Channel:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next(_lease_ids), [p[1] for p in placed], event, events)
         ev64 = base64.b64encode(event[1]).decode() if event is not None else None
-        # The wire form of ArrayDescriptor.to_json, built directly: a batch has thousands of items.
-        descs = [{"chunk": block.chunk.id, "block_offset": block.offset, "block_bytes": block.size,
-                  "byte_offset": off, "shape": list(shape), "strides": list(strides), "dtype": dtype,
-                  "ordering": order, "event": ev64, "name": name, "meta": None}
-                 for name, block, off, shape, strides, dtype in placed]
-        if descs:
-            descs[0]["meta"] = meta
         with self._state:
             self._leases[lease.id] = lease
         try:
             if batch is None:
-                self._send({"kind": "array", "lease": lease.id, "desc": descs[0]})
+                self._send({"kind": "array", "lease": lease.id, "desc": _wire_descs(placed, order, ev64, meta)[0]})
             else:
-                self._send_batch(lease.id, placed, descs, batch == "mapping", order, ev64, meta)
+                self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta)
         except BaseException:
             with self._state:
                 self._leases.pop(lease.id, None)
@@ -881,8 +889,8 @@ class Channel:
             raise
         return lease
 
-    def _send_batch(self, lease_id: int, placed: list[Any], descs: list[dict[str, Any]], mapping: bool,
-                    order: str, ev64: str | None, meta: dict[str, Any] | None) -> None:
+    def _send_batch(self, lease_id: int, placed: list[Any], mapping: bool, order: str, ev64: str | None,
+                    meta: dict[str, Any] | None) -> None:
         """Send an ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
         the same names in the same blocks with the same shapes, strides and dtypes (a model's
         state dict, sent every step), so the peer validates and rebuilds nothing."""
@@ -897,8 +905,8 @@ class Channel:
                                    "event": ev64, "meta": meta})
                 return
             layout = next(self._layout_ids)
-            self._send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
-                               "layout": layout})
+            self._send_locked({"kind": "arrays", "lease": lease_id, "items": _wire_descs(placed, order, ev64, meta),
+                               "mapping": mapping, "layout": layout})
             self._layouts_sent[key] = layout
             if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
                 del self._layouts_sent[next(iter(self._layouts_sent))]
