@@ -237,7 +237,7 @@ class Segments:
     def _lend_new(self, requests: list[tuple[int, int, Any]], todo: list[int],
                   out: list[SegmentBlock | None]) -> None:
         driver.set_current(self.device)
-        walked = []
+        walked: dict[int, list[tuple[int, int]]] = {}  # request index -> its pages
         stale: set[SegmentChunk] = set()
         for i in todo:
             ptr, span, keep = requests[i]
@@ -248,25 +248,15 @@ class Segments:
                 continue
             pages = self._walk(ptr, ptr + span)
             if pages is not None and len(pages) <= MAX_PARTS:  # longer ones are copied
-                walked.append((pages[0][0], i, pages))
+                walked[i] = pages
         for chunk in stale:  # blocks already lent from one keep it until they come back
             self._mark_stale(chunk)
-        walked.sort()
-        run: dict[int, int] = {}  # page address -> size: pages of requests that touch, at most MAX_PARTS
-        items: list[int] = []
-        end = 0
-        for first, i, pages in walked + [(None, -1, [])]:
-            new = [(b, n) for b, n in pages if b >= end]
-            if run and (first is None or first > end or len(run) + len(new) > MAX_PARTS):
-                chunk = self._new_chunk(sorted(run.items()))
+        for pages, items in group_runs(walked):
+            chunk = self._new_chunk(pages)
+            if chunk is not None:
                 for j in items:
-                    if chunk is not None:
-                        out[j] = SegmentBlock(self, chunk, requests[j][2])
-                        self._known[requests[j][:2]] = chunk
-                run, items, new = {}, [], pages
-            run.update(new)
-            items.append(i)
-            end = max(end, pages[-1][0] + pages[-1][1]) if pages else end
+                    out[j] = SegmentBlock(self, chunk, requests[j][2])
+                    self._known[requests[j][:2]] = chunk
         if len(self._known) > 1 << 16:  # a cache, not a record: forget it rather than grow without bound
             self._known.clear()
 
@@ -348,6 +338,38 @@ class Segments:
             self._known.clear()
         self._retire(idle)
         return len(chunks)
+
+
+def group_runs(requests: dict[Any, list[tuple[int, int]]], max_parts: int = MAX_PARTS
+               ) -> list[tuple[list[tuple[int, int]], list[Any]]]:
+    """Group requests whose pages touch into runs of at most ``max_parts`` pages.
+
+    Args:
+        requests: key -> the pages ``(address, size)`` one request covers, contiguous and in
+            address order, at most ``max_parts`` of them.
+
+    Returns:
+        ``(pages, keys)`` per run: the run's distinct pages in address order, contiguous, and the
+        keys of the requests that lie wholly inside it. A request overlapping or adjacent to the run
+        so far joins it unless that would pass ``max_parts`` pages; then a new run starts at its first
+        page (so runs may share a page).
+    """
+    out: list[tuple[list[tuple[int, int]], list[Any]]] = []
+    run: dict[int, int] = {}  # page address -> size
+    keys: list[Any] = []
+    end = 0
+    for key, pages in sorted(requests.items(), key=lambda kv: (kv[1][0][0], kv[1][-1][0])):
+        first = pages[0][0]
+        new = [(b, n) for b, n in pages if b >= end]
+        if run and (first > end or len(run) + len(new) > max_parts):
+            out.append((sorted(run.items()), keys))
+            run, keys, new = {}, [], pages
+        run.update(new)
+        keys.append(key)
+        end = max(end, pages[-1][0] + pages[-1][1])
+    if run:
+        out.append((sorted(run.items()), keys))
+    return out
 
 
 _SEGMENTS: dict[int, Segments] = {}
