@@ -253,7 +253,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
         max_bytes: the largest JSON body allowed (default :data:`MAX_MESSAGE`, 64 KiB).
 
     Raises:
-        InvalidArgumentError: not an AF_UNIX socket, bad message, or bad fd.
+        InvalidArgumentError: not an AF_UNIX socket, bad message, a bad fd, or more than 253 fds.
         PeerClosedError: the peer has closed its end (EPIPE / ECONNRESET).
         WaitTimeoutError: the socket stayed full past ``timeout``; the fd was not sent
             if no byte of the message was.
@@ -265,6 +265,8 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
     _check_unix(sock)
     data = encode_message(obj, max_bytes)
     if fd is not None:
+        if not isinstance(fd, (int, list, tuple)):
+            raise InvalidArgumentError(f"fd must be an int or a list of ints, got {type(fd).__name__}")
         fds = [fd] if isinstance(fd, int) else list(fd)
         if len(fds) > _MAX_FDS:
             raise InvalidArgumentError(f"{len(fds)} fds in one message: SCM_RIGHTS carries at most {_MAX_FDS}")

@@ -383,6 +383,8 @@ def test_several_fds_on_one_message_arrive_in_order(pair, pipe):
         send_message(a, {}, [])
     with pytest.raises(errors.InvalidArgumentError):
         send_message(a, {}, [r, -1])
+    with pytest.raises(errors.InvalidArgumentError, match="an int or a list"):
+        send_message(a, {}, 3.0)  # type: ignore[arg-type]
     with pytest.raises(errors.WaitTimeoutError):  # nothing was put on the wire by the rejected sends
         recv_message(b, timeout=0.05)
 
