@@ -698,11 +698,11 @@ class Channel:
         copied_from_device). On failure ``block`` is released."""
         shape, strides = src.shape, tuple(src.strides)
         if block is not None:
-            if itemsize > 1 and not src.whole_items and any(st % itemsize for st in strides):
-                block.pool._unref(block)
-                raise InvalidArgumentError(f"strides {strides} are not multiples of the itemsize {itemsize}: "
-                                           f"DLPack cannot describe them")
-            return block, src.ptr - block.ptr, shape, strides, src.dtype, False
+            off = src.ptr - block.ptr
+            if itemsize == 1 or (off % itemsize == 0 and (src.whole_items or not any(st % itemsize for st in strides))):
+                return block, off, shape, strides, src.dtype, False
+            # A view DLPack cannot describe (a stride or its start not a whole number of items): copied instead.
+            block.pool._unref(block)
         if self.pool is None:
             raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
                                        "or send arrays from SharedPool.empty")
@@ -905,8 +905,11 @@ class Channel:
                                    "event": ev64, "meta": meta})
                 return
             layout = next(self._layout_ids)
-            self._send_locked({"kind": "arrays", "lease": lease_id, "items": _wire_descs(placed, order, ev64, meta),
-                               "mapping": mapping, "layout": layout})
+            try:
+                self._send_locked({"kind": "arrays", "lease": lease_id, "items": _wire_descs(placed, order, ev64, meta),
+                                   "mapping": mapping, "layout": layout})
+            except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
+                raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
             self._layouts_sent[key] = layout
             if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
                 del self._layouts_sent[next(iter(self._layouts_sent))]

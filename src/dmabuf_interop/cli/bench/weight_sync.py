@@ -550,6 +550,8 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     print("targets:", file=file)
     for t in results["targets"]:
         verdict = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        if t["met"] is None and t["placement"] == "host" and t["value"]:
+            verdict = "n/a (the targets are for GPUs)"
         print(f"  [{t['placement']}] {t['target']}: {verdict} ({t['value'] or 'no number'})", file=file)
 
 
