@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -266,7 +267,9 @@ def test_hostile_chunk_and_layout_messages(tmp_path: Path, script, text: str, fi
     t.join(10)
 
 
-def test_negative_strides_are_copied_c_contiguous(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def host_pair(tmp_path: Path):
+    """(pool, producer channel, consumer channel) over a 64 KiB host pool, in this process."""
     addr = str(tmp_path / "s.sock")
     with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool, listen(addr, pool=pool) as listener:
         got = {}
@@ -274,35 +277,35 @@ def test_negative_strides_are_copied_c_contiguous(tmp_path: Path) -> None:
         t.start()
         with listener.accept(10) as ch:
             t.join()
-            z = pool.empty(8, "float32")
-            z[:] = np.arange(8)
-            lease = ch.send(z[::-1])  # negative strides: copied, C-contiguous
-            with got["ch"].recv(5) as r:
-                assert r.as_array().tolist() == list(range(7, -1, -1))
-                assert r.strides == (4,)
-            lease.wait(5)
-        got["ch"].close()
+            try:
+                yield pool, ch, got["ch"]
+            finally:
+                got["ch"].close()
+
+
+def test_negative_strides_are_copied_c_contiguous(tmp_path: Path) -> None:
+    with host_pair(tmp_path) as (pool, prod, cons):
+        z = pool.empty(8, "float32")
+        z[:] = np.arange(8)
+        lease = prod.send(z[::-1])  # negative strides: copied, C-contiguous
+        with cons.recv(5) as r:
+            assert r.as_array().tolist() == list(range(7, -1, -1))
+            assert r.strides == (4,)
+        lease.wait(5)
 
 
 def test_views_dlpack_cannot_describe_are_copied_not_lent(tmp_path: Path) -> None:
     """A view of a pool block whose start or strides are not whole items (a flat byte buffer viewed as
     int32 from byte 2; 6-byte strides) would be refused by the receiver: it is copied instead."""
-    addr = str(tmp_path / "s.sock")
-    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool, listen(addr, pool=pool) as listener:
-        got = {}
-        t = threading.Thread(target=lambda: got.setdefault("ch", connect(addr, timeout=10)))
-        t.start()
-        with listener.accept(10) as ch:
-            t.join()
-            buf = pool.empty(64, "uint8")
-            buf[:] = np.arange(64, dtype=np.uint8)
-            unaligned = buf[2:10].view(np.int32)
-            odd = np.lib.stride_tricks.as_strided(buf[:40].view(np.int32)[:1], shape=(5,), strides=(6,))
-            for a in (unaligned, odd):
-                lease = ch.send(a)
-                with got["ch"].recv(5) as r:
-                    assert r.as_array().tolist() == a.tolist() and r.strides == (4,)
-                    assert r.descriptor.block_offset != pool.find(buf.ctypes.data, 64).offset  # another block
-                lease.wait(5)
-            assert not ch.closed and not got["ch"].closed
-        got["ch"].close()
+    with host_pair(tmp_path) as (pool, prod, cons):
+        buf = pool.empty(64, "uint8")
+        buf[:] = np.arange(64, dtype=np.uint8)
+        unaligned = buf[2:10].view(np.int32)
+        odd = np.lib.stride_tricks.as_strided(buf[:40].view(np.int32)[:1], shape=(5,), strides=(6,))
+        for a in (unaligned, odd):
+            lease = prod.send(a)
+            with cons.recv(5) as r:
+                assert r.as_array().tolist() == a.tolist() and r.strides == (4,)
+                assert r.descriptor.block_offset != pool.find(buf.ctypes.data, 64).offset  # another block
+            lease.wait(5)
+        assert not prod.closed and not cons.closed
