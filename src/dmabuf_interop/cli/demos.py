@@ -42,7 +42,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from .. import capabilities
 from ..descriptor import ShareDescriptor
@@ -208,16 +208,24 @@ def _fork_child(demo: int, opts: DemoOptions, out: TextIO,
 
 # --- parent side ------------------------------------------------------------------------
 
+def _attempt(fn: Callable[[], Any], who: str, what: str, say: _Printer) -> tuple[Any, tuple[Outcome, str] | None]:
+    """``(fn(), None)``, or ``(None, outcome)`` when it raised: an absent capability skips, any other
+    library error fails; each says so on its line."""
+    try:
+        return fn(), None
+    except NotSupportedError as exc:
+        say(f"  {who}: {what} not supported: {exc}. Skipping.")
+        return None, (Outcome.SKIPPED, str(exc))
+    except DmaBufError as exc:
+        say(f"  {who}: {what} failed: {exc}")
+        return None, (Outcome.FAILED, str(exc))
+
+
 def _same_process(mech: Mechanism, opts: DemoOptions, say: _Printer) -> tuple[Outcome, str]:
     say("Same-process round-trip")
-    try:
-        exported = mech.export(opts.size, opts.device)
-    except NotSupportedError as exc:
-        say(f"  producer: export not supported: {exc}. Skipping.")
-        return Outcome.SKIPPED, str(exc)
-    except DmaBufError as exc:
-        say(f"  producer: export failed: {exc}")
-        return Outcome.FAILED, str(exc)
+    exported, bad = _attempt(lambda: mech.export(opts.size, opts.device), "producer", "export", say)
+    if bad:
+        return bad
     with exported:
         say(f"  producer: allocated {opts.size} bytes, exported as {WORDING[mech.name].fd_label} {exported.fd}")
         mech.write_pattern(exported)
@@ -227,14 +235,9 @@ def _same_process(mech: Mechanism, opts: DemoOptions, say: _Printer) -> tuple[Ou
 
 def _consume(mech: Mechanism, fd: int, desc: ShareDescriptor, device: int, who: str,
              say: _Printer) -> tuple[Outcome, str]:
-    try:
-        imported = mech.import_(fd, desc, device)
-    except NotSupportedError as exc:
-        say(f"  {who}: import not supported: {exc}. Skipping.")
-        return Outcome.SKIPPED, str(exc)
-    except DmaBufError as exc:
-        say(f"  {who}: import failed: {exc}")
-        return Outcome.FAILED, str(exc)
+    imported, bad = _attempt(lambda: mech.import_(fd, desc, device), who, "import", say)
+    if bad:
+        return bad
     with imported:
         say(f"  {who}: {WORDING[mech.name].import_line}")
         try:
