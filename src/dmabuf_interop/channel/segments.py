@@ -36,8 +36,9 @@ import weakref
 from typing import Any, Iterator
 
 from .. import _driver as driver
-from ..errors import CudaError
+from ..errors import CudaError, InvalidArgumentError
 from ..fd import OwnedFd
+from ..mechanisms.posix_fd import vmm_pages
 from .pool import EventPool, chunk_ids
 from .protocol import MAX_PARTS
 
@@ -262,27 +263,12 @@ class Segments:
 
     @staticmethod
     def _walk(ptr: int, end: int) -> list[tuple[int, int]] | None:
-        """The ``cuMemCreate`` pages ``(address, size)`` covering ``[ptr, end)``, or ``None`` for memory
-        that is not ``cuMemCreate``'s or has a hole."""
+        """The ``cuMemCreate`` pages covering ``[ptr, end)``, or ``None`` for memory that is not
+        ``cuMemCreate``'s or has a hole (:func:`..mechanisms.posix_fd.vmm_pages`)."""
         try:
-            h = driver.vmm_retain_handle(ptr)
-        except CudaError:
-            return None  # cudaMalloc memory, another allocator's pool
-        driver.vmm_release(h)
-        pages = []
-        try:
-            at, n = driver.mem_address_range(ptr)
-            pages.append((at, n))
-            at += n
-            while at < end:
-                b, n = driver.mem_address_range(at)
-                if b != at:
-                    return None
-                pages.append((b, n))
-                at += n
-        except CudaError:
-            return None  # a hole: nothing mapped there
-        return pages
+            return vmm_pages(ptr, end)
+        except (CudaError, InvalidArgumentError):
+            return None
 
     def _new_chunk(self, pages: list[tuple[int, int]]) -> SegmentChunk | None:
         handles: list[Any] = []

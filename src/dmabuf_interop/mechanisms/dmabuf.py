@@ -53,6 +53,7 @@ from ..fd import OwnedFd
 from ..linux_dmabuf import DmaBuf, dmabuf_info
 from ..procs import host_mapping
 from ._base import Mechanism
+from .posix_fd import vmm_pages
 
 __all__ = ["export_host", "export_device", "export_range", "import_dmabuf", "pointer_and_size",
            "DmaBufMechanism"]
@@ -175,38 +176,6 @@ def pointer_and_size(obj: Any, size: int | None = None) -> tuple[int, int, Any]:
     return int(view.ptr), byte_count(nbytes), (obj, view)
 
 
-def _vmm_chunks_after(ptr: int, chunk_end: int, end: int) -> tuple[list[int], int] | None:
-    """``(boundaries, extent_end)``: the chunk boundaries crossed by ``[ptr, end)`` in CUDA
-    VMM memory and where the last chunk ends, or ``None`` when ``ptr`` is not VMM memory.
-
-    For memory mapped with ``cuMemMap``, ``cuMemGetAddressRange`` reports only
-    the ``cuMemCreate`` chunk that holds the address, not the reservation
-    (``cuMemRetainAllocationHandle`` succeeds only on such mappings). Walk the
-    chunks mapped after ``chunk_end`` until ``end`` is covered.
-
-    Raises:
-        InvalidArgumentError: a hole (nothing mapped) inside the range.
-    """
-    try:
-        handle = driver.vmm_retain_handle(ptr)
-    except CudaError:
-        return None
-    driver.vmm_release(handle)
-    boundaries = []
-    while chunk_end < end:
-        try:
-            base, size = driver.mem_address_range(chunk_end)
-        except CudaError as exc:
-            raise InvalidArgumentError(
-                f"[0x{ptr:x}, 0x{end:x}) is not mapped all through: nothing is mapped at 0x{chunk_end:x}, "
-                f"after the cuMemCreate chunk that ends there") from exc
-        if base != chunk_end or size <= 0:  # pragma: no cover - a chunk always starts where it is mapped
-            raise InvalidArgumentError(f"unexpected VMM layout at 0x{chunk_end:x}: [0x{base:x}, +{size})")
-        boundaries.append(chunk_end)
-        chunk_end = base + size
-    return boundaries, chunk_end
-
-
 def _is_registered_host_memory(ptr: int) -> bool:
     """Whether host memory at ``ptr`` was registered with ``cuMemHostRegister`` rather than
     allocated by the driver (``cuMemAllocHost``/``cuMemHostAlloc``). The driver answers both
@@ -320,12 +289,13 @@ def export_range(obj: Any, size: int | None = None) -> ExportedBuffer:
     end = _round_up(ptr + nbytes, page)
     limit = base + alloc_size
     boundaries: list[int] = []
-    if ptr + nbytes > limit:
-        chunks = _vmm_chunks_after(ptr, limit, ptr + nbytes)
-        if chunks is None:
+    if ptr + nbytes > limit:  # CUDA VMM memory mapped chunk by chunk: walk the chunks it crosses
+        pages = vmm_pages(ptr, ptr + nbytes)
+        if pages is None:
             raise InvalidArgumentError(
                 f"[0x{ptr:x}, +{nbytes}) runs past its allocation [0x{base:x}, +{alloc_size})")
-        boundaries, limit = chunks
+        boundaries = [at for at, _ in pages[1:]]
+        limit = pages[-1][0] + pages[-1][1]
     if start < base or end > limit:
         raise AlignmentError(
             f"cuMemGetHandleForAddressRange needs a {page}-byte page-aligned range; the pages enclosing "

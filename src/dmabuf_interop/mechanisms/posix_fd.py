@@ -28,11 +28,12 @@ from .._checks import byte_count, byte_offset
 from .._checks import round_up as _round_up
 from ..buffers import ExportedBuffer, ImportedBuffer, Transaction
 from ..descriptor import ShareDescriptor
-from ..errors import InvalidArgumentError, NotSupportedError
+from ..errors import CudaError, InvalidArgumentError, NotSupportedError
 from ..fd import OwnedFd, fd_is_open, fd_kind
 from ._base import Mechanism
 
-__all__ = ["export_posix_fd", "import_posix_fd", "import_posix_fd_parts", "granularity", "PosixFdMechanism"]
+__all__ = ["export_posix_fd", "import_posix_fd", "import_posix_fd_parts", "granularity", "vmm_pages",
+           "PosixFdMechanism"]
 
 
 def _unmap(device: int, ptr: int, size: int) -> None:
@@ -52,6 +53,41 @@ def _not_a_handle(fd: int) -> str | None:
     return {"pipe": "a pipe", "socket": "a socket", "dma-buf": "a dma-buf (import it with import_dmabuf)",
             "memfd": "a memfd (map it with import_memfd)", "file": "a file", "directory": "a directory",
             "block device": "a block device"}.get(kind)
+
+
+def vmm_pages(ptr: int, end: int) -> list[tuple[int, int]] | None:
+    """The ``cuMemCreate`` allocations ``(address, size)`` mapped back to back over ``[ptr, end)``, in
+    address order, or ``None`` when ``ptr`` is not in such a mapping (``cudaMalloc`` memory, say).
+
+    For memory mapped with ``cuMemMap``, ``cuMemGetAddressRange`` reports only the allocation that
+    holds the address, not the reservation, and ``cuMemRetainAllocationHandle`` succeeds only on
+    such mappings (CUDA Driver API, "Virtual Memory Management"): the walk goes allocation by
+    allocation until ``end`` is covered.
+
+    Raises:
+        InvalidArgumentError: a hole (nothing mapped) inside the range.
+        CudaError: ``cuMemRelease`` failed.
+    """
+    try:
+        handle = driver.vmm_retain_handle(ptr)
+    except CudaError:
+        return None
+    driver.vmm_release(handle)
+    base, size = driver.mem_address_range(ptr)
+    pages = [(base, size)]
+    at = base + size
+    while at < end:
+        try:
+            base, size = driver.mem_address_range(at)
+        except CudaError as exc:
+            raise InvalidArgumentError(
+                f"[0x{ptr:x}, 0x{end:x}) is not mapped all through: nothing is mapped at 0x{at:x}, "
+                f"after the cuMemCreate chunk that ends there") from exc
+        if base != at or size <= 0:  # pragma: no cover - a chunk always starts where it is mapped
+            raise InvalidArgumentError(f"unexpected VMM layout at 0x{at:x}: [0x{base:x}, +{size})")
+        pages.append((base, size))
+        at = base + size
+    return pages
 
 
 def granularity(device: int = 0) -> int:
