@@ -17,6 +17,13 @@ from dmabuf_interop.errors import InvalidArgumentError, NotSupportedError, PeerR
 from tests.helpers.remote import TOKEN, peer_env, result, start, start_producer
 
 
+def assert_released_and_clean(got: dict, sent: dict) -> None:
+    """Every lease ended released; neither side left a NIXL registration or an fd behind."""
+    assert sent["reasons"] == ["released"]
+    assert got["registered"] == sent["registered"] == 0
+    assert got["fds_leaked"] == sent["fds_leaked"] == 0
+
+
 @pytest.mark.nixl
 def test_thousand_mixed_arrays_verified_and_nothing_leaked() -> None:
     producer, addr = start_producer("producer", "1000", "host")
@@ -25,9 +32,7 @@ def test_thousand_mixed_arrays_verified_and_nothing_leaked() -> None:
     assert got["good"] == got["n"] == 1000
     assert got["transport"]["mechanism"] == "nixl" and got["transport"]["backend"] == "UCX"
     assert got["transport"]["ucx_tls"] == "tcp" and got["transport"]["ucx_net_devices"] == "lo"
-    assert sent["reasons"] == ["released"]
-    assert got["registered"] == sent["registered"] == 0
-    assert got["fds_leaked"] == sent["fds_leaked"] == 0
+    assert_released_and_clean(got, sent)
 
 
 @pytest.mark.nixl
@@ -36,9 +41,7 @@ def test_recv_into_callers_arrays() -> None:
     consumer = start("consumer-into", addr, "50")
     got, sent = result(consumer), result(producer)
     assert got["refused"] == 1 and got["good"] == 49  # a wrong shape is refused, and its lease still released
-    assert sent["reasons"] == ["released"]
-    assert got["registered"] == sent["registered"] == 0
-    assert got["fds_leaked"] == sent["fds_leaked"] == 0
+    assert_released_and_clean(got, sent)
 
 
 @pytest.mark.nixl
