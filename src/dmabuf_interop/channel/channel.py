@@ -860,10 +860,8 @@ class Channel:
                     event = events.take()
                     driver.event_record(event[0], h)
                     order = "event"
-            announced = self._announced
             for _, block, *_ in placed:
-                if block.chunk.id not in announced:
-                    self._announce(block)
+                self._announce(block)
         except BaseException:
             for _, block, *_ in placed:
                 block.pool._unref(block)
