@@ -1204,11 +1204,7 @@ class Channel:
                 from ..mechanisms.memfd import import_memfd
 
                 buf = import_memfd(owned[0], size)
-            elif len(owned) == 1:
-                from ..mechanisms.posix_fd import import_posix_fd
-
-                buf = import_posix_fd(owned[0], size, self._import_device(msg["device_uuid"]), 0, size)
-            else:  # pages mapped back to back in the exporter (torch's expandable segments)
+            else:  # one part (a pool chunk) or pages mapped back to back (torch's expandable segments)
                 from ..mechanisms.posix_fd import import_posix_fd_parts
 
                 buf = import_posix_fd_parts(owned, msg["parts"], self._import_device(msg["device_uuid"]))
