@@ -291,7 +291,7 @@ class SharedPool:
     def used_bytes(self) -> int:
         """Bytes in blocks that are in use."""
         with self._cond:
-            return sum(b.size for c in self._chunks for b in c.blocks.values())
+            return self.used_bytes_locked()
 
     # --- chunks ------------------------------------------------------------------
 
