@@ -41,7 +41,7 @@ from .auth import authenticate_connector, authenticate_listener, load_secret
 from .channel import MAX_CHUNKS, Channel, PeerInfo, Received, _Hold
 from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import Block, SharedPool
-from .protocol import PROTOCOL_VERSION, ArrayDescriptor, visible_gpu_uuids
+from .protocol import PROTOCOL_VERSION, ArrayDescriptor, _int, _keys, visible_gpu_uuids
 from .wire import recv_frame, send_frame
 
 __all__ = ["RemoteChannel", "RemoteListener", "listen_remote", "connect_remote", "is_remote", "nixl_module",
@@ -129,18 +129,6 @@ def _b64_field(msg: dict[str, Any], key: str, limit: int) -> bytes:
         return base64.b64decode(v, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ProtocolError(f"field {key!r} is not base64: {exc}") from exc
-
-
-def _check_keys(msg: dict[str, Any], keys: set[str], what: str) -> None:
-    if set(msg) != keys:
-        raise ProtocolError(f"{what} has the wrong fields: {sorted(msg)}, expected {sorted(keys)}")
-
-
-def _check_int(msg: dict[str, Any], key: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    v = msg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
 
 
 class _Agent:
@@ -326,10 +314,10 @@ class RemoteChannel(Channel):
         if msg.get("kind") != "region":
             super()._handle(msg, fds)
             return
-        _check_keys(msg, {"kind", "chunk", "addr", "size", "device", "mem", "metadata"}, "region message")
-        cid = _check_int(msg, "chunk", 1)
-        addr, size = _check_int(msg, "addr"), _check_int(msg, "size", 1)
-        device = _check_int(msg, "device", 0, 1 << 16)
+        _keys(msg, {"kind", "chunk", "addr", "size", "device", "mem", "metadata"}, "region message")
+        cid = _int(msg, "chunk", 1)
+        addr, size = _int(msg, "addr"), _int(msg, "size", 1)
+        device = _int(msg, "device", 0, 1 << 16)
         if msg["mem"] not in ("DRAM", "VRAM"):
             raise ProtocolError(f"region memory type must be DRAM or VRAM, got {msg['mem']!r}")
         md = _b64_field(msg, "metadata", MAX_METADATA_BYTES)
@@ -558,7 +546,7 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
             raise PeerRefusedError(f"the peer refused this connection: {str(msg.get('reason'))[:512]}")
         if msg.get("kind") != "nixl":
             raise ProtocolError(f"expected a nixl message, got {msg.get('kind')!r}")
-        _check_keys(msg, {"kind", "agent", "metadata"}, "nixl message")
+        _keys(msg, {"kind", "agent", "metadata"}, "nixl message")
         if not isinstance(msg["agent"], str) or not 0 < len(msg["agent"]) <= 256 or msg["agent"] == agent.name:
             raise ProtocolError("nixl message: agent must be a name of 1 to 256 characters, not ours")
         name = agent.call("add_remote_agent", _b64_field(msg, "metadata", MAX_METADATA_BYTES))
