@@ -357,9 +357,7 @@ class RemoteChannel(Channel):
             with self._xfer_lock:
                 groups: dict[tuple[str, str], tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
                 for d in descs:
-                    region = self._imports.get(d.chunk)
-                    if not isinstance(region, _Region):
-                        raise PeerClosedError(f"region {d.chunk} was retired before its array was read")
+                    region = self._region(d.chunk)
                     span = d.extent() - d.byte_offset if d.extent() else 0
                     block = pool.alloc(span, timeout=self.xfer_timeout)
                     pool._ref(block)
@@ -388,10 +386,15 @@ class RemoteChannel(Channel):
 
     def _consumed(self, lease_id: int) -> None:
         """The READ of the producer's lease is over: release it (sent by the flusher thread, so that
-        the next READ need not wait for this send)."""
-        with self._state:
-            self._held.discard(lease_id)
-        self._queue_release(lease_id)
+        the next READ need not wait for this send). The channel's own release, which this class turns
+        off for the Received (they hold only local memory)."""
+        super()._release_lease(lease_id)
+
+    def _region(self, chunk_id: int) -> "_Region":
+        region = self._imports.get(chunk_id)
+        if not isinstance(region, _Region):
+            raise PeerClosedError(f"region {chunk_id} was retired before its array was read")
+        return region
 
     def recv_into(self, out: Any, timeout: float | None = 60.0) -> dict[str, Any] | None:
         """Read the next array straight into ``out`` with one NIXL ``READ``, then release the producer's lease.
@@ -423,9 +426,7 @@ class RemoteChannel(Channel):
                                            f"{d.dtype}{list(d.shape)}")
             if not (d.is_c_contiguous() and dataclasses.replace(d, strides=tuple(dst.strides)).is_c_contiguous()):
                 raise InvalidArgumentError("recv_into needs C-contiguous arrays on both sides; recv() reads any layout")
-            region = self._imports.get(d.chunk)
-            if not isinstance(region, _Region):
-                raise PeerClosedError(f"region {d.chunk} was retired before its array was read")
+            region = self._region(d.chunk)
             if d.nbytes:
                 mem, dev = ("DRAM", 0) if dst.device < 0 else ("VRAM", dst.device)
                 with self._xfer_lock:
