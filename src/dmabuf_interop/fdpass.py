@@ -194,12 +194,12 @@ def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
     _wait(sock, select.POLLOUT, deadline, "timed out sending a message: the peer is not reading (socket buffer full)")
 
 
-def _send_all(sock: socket.socket, data: bytes, fd: int | Sequence[int] | None, deadline: float | None) -> None:
-    """Send ``data`` (the fd, or fds, on its first byte) between ``poll(POLLOUT)`` waits; a message cut
-    off after its first byte marks a stream connection broken for sending."""
+def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline: float | None) -> None:
+    """Send ``data`` (``fds`` on its first byte) between ``poll(POLLOUT)`` waits; a message cut off
+    after its first byte marks a stream connection broken for sending."""
     _check_in_step(sock, _broken_send, "send")
     view = memoryview(data)
-    pending_fd = None if fd is None else [fd] if isinstance(fd, int) else list(fd) or None
+    pending_fd = fds or None
     poll_first = _timeout_mode(sock)
     try:
         while view:
@@ -223,15 +223,15 @@ def _send_all(sock: socket.socket, data: bytes, fd: int | Sequence[int] | None, 
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
             raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
         if isinstance(exc, OSError) and not isinstance(exc, DmaBufError):
-            if fd is not None and exc.errno == errno.EBADF:
-                raise InvalidArgumentError(f"fd(s) {fd}: not open: {exc}") from exc
+            if fds and exc.errno == errno.EBADF:
+                raise InvalidArgumentError(f"fd(s) {fds}: not open: {exc}") from exc
             if exc.errno == errno.ETOOMANYREFS:
                 soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 raise FdsInFlightError(
                     f"sendmsg -> ETOOMANYREFS: the kernel refused to queue another fd: this user already has "
                     f"more fds in flight (sent over AF_UNIX sockets, not yet received by the peer) than the "
                     f"sender's RLIMIT_NOFILE soft limit of {soft}; the peer is not reading its messages. "
-                    f"The caller still owns fd(s) {fd}") from exc
+                    f"The caller still owns fd(s) {fds}") from exc
             raise SyscallError("sendmsg", exc) from exc
         raise
 
@@ -264,6 +264,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
     """
     _check_unix(sock)
     data = encode_message(obj, max_bytes)
+    fds = None
     if fd is not None:
         if not isinstance(fd, (int, list, tuple)):
             raise InvalidArgumentError(f"fd must be an int or a list of ints, got {type(fd).__name__}")
@@ -273,7 +274,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
         bad = next((f for f in fds if isinstance(f, bool) or not isinstance(f, int) or f < 0), None)
         if bad is not None or not fds:
             raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
-    _send_all(sock, data, fd, _deadline(timeout))
+    _send_all(sock, data, fds, _deadline(timeout))
 
 
 def close_fds(fds: list[int]) -> None:
