@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -120,8 +121,14 @@ class Lease:
                 return
             self.reason = reason
         try:
-            for b in self._blocks:
-                b.pool._unref(b)
+            blocks = self._blocks
+            pool = blocks[0].pool if blocks else None
+            unref_many = getattr(pool, "_unref_many", None)
+            if unref_many is not None and all(b.pool is pool for b in blocks):
+                unref_many(blocks)  # one hold of the pool's lock for a whole state dict
+            else:
+                for b in blocks:
+                    b.pool._unref(b)
             if self._event is not None:
                 self._events.give(self._event)
         finally:  # whatever giving back raised, the lease is over
@@ -139,13 +146,14 @@ class _ImportedChunk:
         self.id = chunk_id
         self.size = size
         self.buf = buf  # ImportedBuffer
+        self.device: int = buf.device  # -1: host
         self.refs = 0
         self.retired = False
         self.lock = threading.Lock()
 
     @property
     def is_host(self) -> bool:
-        return self.buf.device < 0
+        return self.device < 0
 
     def retain(self) -> None:
         with self.lock:
@@ -223,30 +231,28 @@ class _BatchViews:
 
     def __init__(self) -> None:
         self.keep: Any = None  # weakref.ref to the live _Keep, if any
-        self.bases: Any = weakref.WeakValueDictionary()  # (chunk id, torch dtype) -> chunk tensor
+        self.bases: dict[tuple[int, Any], Any] = {}  # (chunk id, torch dtype) -> weakref.ref to the chunk tensor
 
     def tensor(self, r: "Received", torch: Any, dtype: Any) -> Any:
-        import numpy as np
-        from cuda.core.utils import StridedMemoryView
-
-        from ..buffers import mapped_buffer
-
         keep = self.keep() if self.keep is not None else None
         if keep is None:  # every earlier chunk tensor is gone (they held it)
             keep = _Keep()
             self.keep = weakref.ref(keep)
         keep.members.append(r)
         chunk = r._chunk
-        base = self.bases.get((chunk.id, dtype))
+        ref = self.bases.get((chunk.id, dtype))
+        base = ref() if ref is not None else None
         if base is None:
+            import numpy as np
+            from cuda.core.utils import StridedMemoryView
+
+            from ..buffers import mapped_buffer
+
             raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, r.device, keep),
                                                 (chunk.size,), (1,), dtype=np.dtype("uint8"))
             base = torch.from_dlpack(raw).view(dtype)
-            self.bases[(chunk.id, dtype)] = base
-        d = r.descriptor
-        size = d.itemsize
-        return torch.as_strided(base, d.shape, tuple(st // size for st in d.strides),
-                                (d.block_offset + d.byte_offset) // size)
+            self.bases[(chunk.id, dtype)] = weakref.ref(base)
+        return base.as_strided(*r.descriptor.elements())
 
 
 class Received:
@@ -260,23 +266,46 @@ class Received:
         device: the importing CUDA ordinal, or ``-1`` for host memory.
     """
 
+    # Slots, and the descriptor's fields read through it: a state dict makes thousands per step.
+    __slots__ = ("descriptor", "lease_id", "ordering", "device", "_stream", "_chunk", "_batch", "_hold", "_done",
+                 "__weakref__")
+
     def __init__(self, hold: _Hold, lease_id: int, desc: ArrayDescriptor, chunk: _ImportedChunk,
                  stream: int, ordering: str | None = None) -> None:
         self.descriptor = desc
         self.lease_id = lease_id
-        self.shape = desc.shape
-        self.dtype = desc.dtype
-        self.strides = desc.strides
-        self.meta = desc.meta
-        self.name = desc.name
         self.ordering = ordering or desc.ordering  # a repeated layout's descriptors keep their first ordering
-        self.device: int = chunk.buf.device
+        self.device: int = chunk.device
         self._stream = stream
         self._chunk = chunk
-        self._ptr = chunk.buf.ptr + desc.block_offset + desc.byte_offset
         self._batch: _BatchViews | None = None
         self._hold = hold  # the chunk stays mapped, and the lease held, while this lives
         self._done = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.descriptor.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.descriptor.dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self.descriptor.strides
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return self.descriptor.meta
+
+    @property
+    def name(self) -> str | None:
+        return self.descriptor.name
+
+    @property
+    def _ptr(self) -> int:
+        d = self.descriptor
+        return self._chunk.buf.ptr + d.block_offset + d.byte_offset
 
     @property
     def released(self) -> bool:
@@ -333,13 +362,12 @@ class Received:
             NotSupportedError: torch is not installed.
         """
         self._check()
-        import numpy as np
-
         torch = _require("torch")
-
         d = self.descriptor
         if self._batch is not None and self.device >= 0:
             return self._batch.tensor(self, torch, getattr(torch, d.dtype))
+        import numpy as np
+
         if d.dtype == "bfloat16":
             if self.device < 0:
                 keep = (self, self._chunk.buf._mapping.map)
@@ -399,6 +427,9 @@ def _require(module: str) -> Any:
     Raises:
         NotSupportedError: it is not installed.
     """
+    found = sys.modules.get(module)
+    if found is not None:
+        return found
     import importlib
 
     try:
@@ -475,6 +506,7 @@ def _inspect(array: Any) -> _Source:
         if known is None:
             known = _TORCH_DTYPES[array.dtype] = (str(array.dtype).replace("torch.", ""), array.element_size())
         dtype, es = known
+        _SIG_KINDS.setdefault(type(array), 1)
         dev = array.get_device()  # -1 for CPU tensors
         return _Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
                        dev, array, True)
@@ -488,7 +520,9 @@ def _inspect(array: Any) -> _Source:
         strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dt.itemsize)
         dev = driver.pointer_device_ordinal(ptr) if ptr else 0
         return _Source(ptr, shape, strides, dt.name, dev, array)
-    if not isinstance(array, np.ndarray):
+    if isinstance(array, np.ndarray):
+        _SIG_KINDS.setdefault(type(array), 2)
+    else:
         from cuda.core.utils import StridedMemoryView
 
         if isinstance(array, StridedMemoryView):
@@ -517,6 +551,8 @@ def _inspect(array: Any) -> _Source:
 _NUMPY_NAMES: dict[Any, str] = {}
 #: torch dtype -> (wire dtype name, itemsize).
 _TORCH_DTYPES: dict[Any, tuple[str, int]] = {}
+#: Array types :func:`_signatures` reads: 1 torch tensors, 2 NumPy arrays.
+_SIG_KINDS: dict[type, int] = {}
 
 
 def _is_host_ptr(view: Any) -> bool:
@@ -540,6 +576,46 @@ def _wire_descs(placed: list[Any], order: str, ev64: str | None, meta: dict[str,
     if descs:
         descs[0]["meta"] = meta
     return descs
+
+
+class _Memo:
+    """A batch lent whose every array lay in a :class:`.pool.SharedPool` block: sending the same
+    names over the same addresses and layouts again (a model's state dict, every step) reuses its
+    placement, referencing its blocks again, without inspecting and finding each array."""
+
+    __slots__ = ("names", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout")
+
+    def __init__(self, names: list[str | None], sigs: tuple[Any, ...], placed: list[Any], dev_pool: Any) -> None:
+        self.names = names
+        self.sigs = sigs
+        self.placed = placed
+        self.blocks = [p[1] for p in placed]  # a lease's list, shared: a Lease never changes it
+        self.dev_pool = dev_pool
+        by_pool: dict[Any, list[Block]] = {}
+        heads: dict[int, Block] = {}  # one block per chunk, to check that the peer has it
+        for p in placed:
+            by_pool.setdefault(p[1].pool, []).append(p[1])
+            heads.setdefault(p[1].chunk.id, p[1])
+        self.by_pool = list(by_pool.items())
+        self.heads = list(heads.values())
+        self.layout: int | None = None  # set once the peer has its layout
+
+
+def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
+    """Each array's (address, shape, strides, dtype), read as cheaply as its type allows (torch
+    tensors and NumPy arrays that :func:`_inspect` has met); ``None`` if some array has no such form."""
+    out = []
+    append = out.append
+    kinds = _SIG_KINDS
+    for a in arrays:
+        kind = kinds.get(type(a))
+        if kind == 1:
+            append((a.data_ptr(), a.shape, a.stride(), a.dtype))
+        elif kind == 2:
+            append((a.ctypes.data, a.shape, a.strides, a.dtype))
+        else:
+            return None
+    return tuple(out)
 
 
 class Channel:
@@ -588,6 +664,7 @@ class Channel:
         self._layouts_sent: dict[Any, int] = {}
         self._layout_ids = itertools.count(1)
         self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, dict[int, Any]]] = {}
+        self._memo: _Memo | None = None  # the last batch lent whose arrays all lay in pool blocks
         self._flusher: threading.Thread | None = None
         # The flusher has its own wake-up, so that it never competes with recv() for the GIL
         # when an array arrives; and _state is notified only when a recv() waits on it.
@@ -780,7 +857,7 @@ class Channel:
             PoolExhaustedError: no room within ``timeout``.
             PeerClosedError: the peer has gone.
         """
-        return self._send_items([(None, array)], stream, meta, timeout, ordering, batch=None)
+        return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
 
     def send_many(self, arrays: Mapping[str, Any] | Sequence[Any], *, stream: Any = None,
                   meta: dict[str, Any] | None = None, timeout: float | None = 10.0,
@@ -795,22 +872,26 @@ class Channel:
                 :data:`~.protocol.MAX_ITEMS` arrays, or a mapping key that is not a str (of at
                 most 4096 characters): the peer would refuse the message and end the channel.
         """
+        names: list[str | None]
         if isinstance(arrays, Mapping):
-            items = [(k, v) for k, v in arrays.items()]
-            bad = next((k for k, _ in items if not isinstance(k, str) or len(k) > 4096), None)
-            if bad is not None:
-                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, got {bad!r}")
-            kind = "mapping"
+            names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
+            # Checked with C-level maps: a state dict has thousands of keys, sent every step.
+            if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
+                bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
+                if bad is not None:  # (a str subclass passes)
+                    raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
+                                               f"got {bad!r}")
         else:
-            items, kind = [(None, v) for v in arrays], "list"
-        if not items:
+            arrs, kind = list(arrays), "list"
+            names = [None] * len(arrs)
+        if not arrs:
             raise InvalidArgumentError("an empty batch: send_many needs at least one array")
-        if len(items) > MAX_ITEMS:
-            raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(items)}: "
+        if len(arrs) > MAX_ITEMS:
+            raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(arrs)}: "
                                        f"send it as several batches")
-        return self._send_items(items, stream, meta, timeout, ordering, batch=kind)
+        return self._send_items(names, arrs, stream, meta, timeout, ordering, batch=kind)
 
-    def _send_items(self, items: list[tuple[str | None, Any]], stream: Any, meta: dict[str, Any] | None,
+    def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
         import json
 
@@ -831,24 +912,33 @@ class Channel:
         h = _stream_handle(stream)
         placed: list[tuple[str | None, Block, int, tuple[int, ...], tuple[int, ...], str]] = []
         found: list[list[Any]] = []
+        memo = None
         try:
-            for _, arr in items:
-                found.append(self._find(arr))
-            if self.share_segments:
-                self._lend_in_place(found)
-            device_blocks = False
-            for (name, _), f in zip(items, found):
-                src, itemsize, _, block = f
-                f[3] = None  # from here on _place owns it
-                block, off, shape, strides, dtype, _ = self._place(src, itemsize, block, h, timeout)
-                placed.append((name, block, off, shape, strides, dtype))
-                device_blocks |= not block.pool.is_host
+            again, sigs = self._lend_again(names, arrays) if batch is not None else (None, None)
+            if again is not None:
+                memo = self._memo
+                placed = again  # referenced again by _lend_again; the except below gives them back
+                dev_pool = memo.dev_pool
+            else:
+                zero_copy = sigs is not None
+                for arr in arrays:
+                    found.append(self._find(arr))
+                if self.share_segments:
+                    self._lend_in_place(found)
+                for name, f in zip(names, found):
+                    src, itemsize, _, block = f
+                    f[3] = None  # from here on _place owns it
+                    lent, off, shape, strides, dtype, _ = self._place(src, itemsize, block, h, timeout)
+                    placed.append((name, lent, off, shape, strides, dtype))
+                    zero_copy = zero_copy and lent is block and type(lent) is Block
+                dev_pool = next((p[1].pool for p in placed if not p[1].pool.is_host), None)
+                if zero_copy:
+                    memo = _Memo(names, sigs, placed, dev_pool)
             event = events = None
             order = "none"
-            if device_blocks:
+            if dev_pool is not None:
                 from .. import _driver as driver
 
-                dev_pool = next(p[1].pool for p in placed if not p[1].pool.is_host)
                 driver.set_current(dev_pool.device)
                 if ordering == "sync":
                     driver.stream_synchronize(h)
@@ -860,7 +950,7 @@ class Channel:
                     event = events.take()
                     driver.event_record(event[0], h)
                     order = "event"
-            for _, block, *_ in placed:
+            for block in (memo.heads if memo is not None else (p[1] for p in placed)):
                 self._announce(block)
         except BaseException:
             for _, block, *_ in placed:
@@ -871,7 +961,7 @@ class Channel:
             raise
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next(_lease_ids), [p[1] for p in placed], event, events)
+        lease = Lease(next(_lease_ids), memo.blocks if again is not None else [p[1] for p in placed], event, events)
         ev64 = base64.b64encode(event[1]).decode() if event is not None else None
         with self._state:
             self._leases[lease.id] = lease
@@ -879,7 +969,7 @@ class Channel:
             if batch is None:
                 self._send({"kind": "array", "lease": lease.id, "desc": _wire_descs(placed, order, ev64, meta)[0]})
             else:
-                self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta)
+                self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta, memo)
         except BaseException:
             with self._state:
                 self._leases.pop(lease.id, None)
@@ -887,17 +977,45 @@ class Channel:
             raise
         return lease
 
+    def _lend_again(self, names: list[str | None], arrays: list[Any]) -> tuple[list[Any] | None, tuple[Any, ...] | None]:
+        """The last remembered batch's placement (:class:`_Memo`), its blocks referenced again, when
+        ``names`` and ``arrays`` are the same names over arrays at the same addresses with the same shapes, strides
+        and dtypes, and every block is still allocated. Otherwise ``None``, with the arrays'
+        signatures to remember (``None`` when some array has no cheap one)."""
+        sigs = _signatures(arrays)
+        memo = self._memo
+        if sigs is None or memo is None or sigs != memo.sigs or names != memo.names:
+            return None, sigs
+        done: list[tuple[Any, list[Block]]] = []
+        for pool, blocks in memo.by_pool:
+            if not pool._ref_live(blocks):  # a block was freed (its array dropped) since
+                for p, bl in done:
+                    p._unref_many(bl)
+                self._memo = None
+                return None, sigs
+            done.append((pool, blocks))
+        return memo.placed, sigs
+
     def _send_batch(self, lease_id: int, placed: list[Any], mapping: bool, order: str, ev64: str | None,
-                    meta: dict[str, Any] | None) -> None:
+                    meta: dict[str, Any] | None, memo: "_Memo | None" = None) -> None:
         """Send an ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
         the same names in the same blocks with the same shapes, strides and dtypes (a model's
-        state dict, sent every step), so the peer validates and rebuilds nothing."""
+        state dict, sent every step), so the peer validates and rebuilds nothing. ``memo``: the
+        placement came from it (a repeat of its layout) or is to be remembered in it."""
+        with self._send_lock:
+            if memo is not None and memo.layout is not None and self._memo is memo:
+                self._send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
+                                   "event": ev64, "meta": meta})
+                return
         key = (mapping, tuple((name, block.chunk.id, block.offset, block.size, off, shape, strides, dtype)
                               for name, block, off, shape, strides, dtype in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
         with self._send_lock:
             layout = self._layouts_sent.get(key)
+            if memo is not None and layout is not None:
+                memo.layout = layout
+                self._memo = memo
             if layout is not None:
                 self._send_locked({"kind": "repeat", "lease": lease_id, "layout": layout, "ordering": order,
                                    "event": ev64, "meta": meta})
@@ -909,8 +1027,14 @@ class Channel:
             except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
                 raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
             self._layouts_sent[key] = layout
+            if memo is not None:
+                memo.layout = layout
+                self._memo = memo
             if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
-                del self._layouts_sent[next(iter(self._layouts_sent))]
+                oldest = next(iter(self._layouts_sent))
+                if self._memo is not None and self._memo.layout == self._layouts_sent[oldest]:
+                    self._memo = None
+                del self._layouts_sent[oldest]
 
     @property
     def outstanding(self) -> int:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import operator
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from ..errors import InvalidArgumentError, PoolExhaustedError
 from .protocol import DTYPES
@@ -96,8 +97,10 @@ class _Chunk:
     def add(self, block: "Block") -> None:
         self.blocks[block.offset] = block
         bisect.insort(self.offsets, block.offset)
+        block.live = True
 
     def remove(self, block: "Block") -> None:
+        block.live = False
         del self.blocks[block.offset]
         del self.offsets[bisect.bisect_left(self.offsets, block.offset)]
 
@@ -120,10 +123,13 @@ class _Chunk:
         return memoryview(self.export._mapping.map)[offset:offset + nbytes]
 
 
+_LIVE = operator.attrgetter("live")
+
+
 class Block:
     """``size`` bytes at ``offset`` inside a pool chunk; ``ptr`` is its address in this process."""
 
-    __slots__ = ("pool", "chunk", "offset", "size", "refs", "__weakref__")
+    __slots__ = ("pool", "chunk", "offset", "size", "refs", "live", "__weakref__")
 
     def __init__(self, pool: "SharedPool", chunk: _Chunk, offset: int, size: int) -> None:
         self.pool = pool
@@ -131,6 +137,7 @@ class Block:
         self.offset = offset
         self.size = size
         self.refs = 0  # the caller's array (pool.empty) + outstanding leases
+        self.live = False  # allocated: in its chunk's blocks
 
     @property
     def ptr(self) -> int:
@@ -366,12 +373,30 @@ class SharedPool:
         with self._cond:
             block.refs += 1
 
-    def _unref(self, block: Block) -> None:
+    def _ref_live(self, blocks: Sequence[Block]) -> bool:
+        """:meth:`_ref` each of ``blocks`` under one hold of the lock if every one is still allocated
+        (a lease's blocks lent again); else ref none and return False."""
         with self._cond:
-            block.refs -= 1
-            if block.refs <= 0 and block.chunk.blocks.get(block.offset) is block:
-                block.chunk.remove(block)
-                block.chunk.free.free(block.offset, block.size)
+            if self._closed or not all(map(_LIVE, blocks)):
+                return False
+            for b in blocks:
+                b.refs += 1
+        return True
+
+    def _unref(self, block: Block) -> None:
+        self._unref_many((block,))
+
+    def _unref_many(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference on each block under one hold of the lock; a block no one holds is freed."""
+        with self._cond:
+            freed = False
+            for block in blocks:
+                block.refs -= 1
+                if block.refs <= 0 and block.chunk.blocks.get(block.offset) is block:
+                    block.chunk.remove(block)
+                    block.chunk.free.free(block.offset, block.size)
+                    freed = True
+            if freed:
                 self._cond.notify_all()
 
     def find(self, ptr: int, nbytes: int) -> Block | None:

@@ -12,6 +12,7 @@ without mapping anything.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -161,6 +162,16 @@ class ArrayDescriptor:
                 return False
             expect *= n
         return True
+
+    @functools.cached_property
+    def _elements(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        size = DTYPES[self.dtype]
+        return self.shape, tuple(st // size for st in self.strides), (self.block_offset + self.byte_offset) // size
+
+    def elements(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shape, strides, offset) in elements, the offset from the chunk's start: ``as_strided``'s
+        arguments over the chunk (computed once per descriptor; a repeated layout reuses it)."""
+        return self._elements
 
     def event_handle(self) -> bytes | None:
         """The decoded 64-byte event handle, or ``None``."""

@@ -302,9 +302,9 @@ class RemoteChannel(Channel):
             pass
         super()._retire_chunk(chunk_id)
 
-    def _send_items(self, items: list[tuple[str | None, Any]], stream: Any, meta: dict[str, Any] | None,
+    def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Any:
-        return super()._send_items(items, stream, meta, timeout, "sync", batch)
+        return super()._send_items(names, arrays, stream, meta, timeout, "sync", batch)
 
     # --- reader thread ---------------------------------------------------------------------
 
