@@ -25,7 +25,7 @@ def load_weights(params: dict[str, Any], weights: Iterable[tuple[str, Any]], hos
 
 
 def main() -> None:
-    from dmabuf_interop.channel import connect, release_all
+    from dmabuf_interop.channel import as_tensors, connect, release_all
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", default="/tmp/weights.sock")
@@ -54,7 +54,7 @@ def main() -> None:
                 load_weights(params, weights, host=True)
                 ok = all((p == version).all() for p in params.values())
             else:
-                weights = [(n, r.as_tensor()) for n, r in batch.items()]
+                weights = list(as_tensors(batch).items())  # torch tensors over the trainer's blocks
                 if not params:
                     params = {n: torch.empty_like(w) for n, w in weights}
                 with torch.cuda.stream(stream):

@@ -554,3 +554,32 @@ def test_a_device_pool_without_cuda_fails_when_made() -> None:
         pytest.skip("CUDA works here: the no-driver error cannot happen")
     with pytest.raises(NoDriverError):
         SharedPool(0)
+
+
+def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel import as_tensors
+    from dmabuf_interop.errors import NotSupportedError
+
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send_many({"w": np.arange(12, dtype=np.int32).reshape(3, 4), "b": np.ones(5)})
+    batch = cons.recv_many(5)
+    with pytest.raises(InvalidArgumentError, match="Received"):
+        as_tensors([batch["w"], np.zeros(1)])
+    try:
+        import torch
+    except ImportError:
+        with pytest.raises(NotSupportedError, match="torch"):
+            as_tensors(batch)
+    else:
+        ts = as_tensors(batch)
+        assert list(ts) == ["w", "b"]
+        assert torch.equal(ts["w"], torch.arange(12, dtype=torch.int32).view(3, 4))
+        assert torch.equal(ts["b"], torch.ones(5, dtype=torch.float64))
+        assert [t.shape for t in as_tensors(list(batch.values()))] == [(3, 4), (5,)]
+        del ts
+    release_all(batch.values())
+    lease.wait(5)
+    with pytest.raises(InvalidArgumentError, match="released"):
+        as_tensors(batch)
+    for x in (cons, prod, listener):
+        x.close()

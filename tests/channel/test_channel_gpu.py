@@ -145,7 +145,7 @@ def test_event_orders_a_late_kernel_write_for_a_consumer_on_the_other_gpu(tmp_pa
 _BATCH_LIFETIME = """
 import gc, json, os, sys, tempfile, threading
 import torch
-from dmabuf_interop.channel import SharedPool, connect, listen
+from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen
 
 addr = os.path.join(tempfile.mkdtemp(), "s")
 with SharedPool(0, chunk_bytes=2 << 20, max_bytes=8 << 20) as pool, listen(addr, pool=pool, ordering="sync") as lst:
@@ -162,7 +162,10 @@ with SharedPool(0, chunk_bytes=2 << 20, max_bytes=8 << 20) as pool, listen(addr,
     torch.cuda.synchronize()
     lease = prod.send_many({"a": a.t(), "b": b[10:]})
     many = cons.recv_many(60)
-    ta, tb = many["a"].as_tensor(), many["b"].as_tensor()
+    if sys.argv[1] == "each":
+        ta, tb = many["a"].as_tensor(), many["b"].as_tensor()
+    else:
+        ta, tb = as_tensors(many).values()
     out = {"a_equal": bool(torch.equal(ta.cpu(), a.t().cpu())), "a_strides": list(ta.stride()),
            "b_shape": list(tb.shape), "b_sum": int(tb.sum())}
     del many
@@ -177,14 +180,15 @@ print(json.dumps(out))
 """
 
 
-def test_batch_tensors_are_views_that_hold_their_items() -> None:
+@pytest.mark.parametrize("how", ["each", "as_tensors"])
+def test_batch_tensors_are_views_that_hold_their_items(how: str) -> None:
     import json
     import subprocess
     import sys
 
     from tests.helpers import env_with_src
 
-    res = subprocess.run([sys.executable, "-c", _BATCH_LIFETIME], capture_output=True, text=True, timeout=240,
+    res = subprocess.run([sys.executable, "-c", _BATCH_LIFETIME, how], capture_output=True, text=True, timeout=240,
                          env=env_with_src())
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])

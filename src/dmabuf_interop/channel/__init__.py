@@ -12,7 +12,7 @@ in expandable segments are lent in place, their pages exported as they are
 
 from __future__ import annotations
 
-from .channel import Channel, Lease, PeerInfo, Received, mechanism_for, release_all
+from .channel import Channel, Lease, PeerInfo, Received, as_tensors, mechanism_for, release_all
 from .pool import ALIGN, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
 from .rendezvous import Listener, connect, listen
@@ -20,5 +20,5 @@ from .segments import release_segments
 
 __all__ = [
     "ALIGN", "ArrayDescriptor", "Channel", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
-    "SharedPool", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
+    "SharedPool", "as_tensors", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
 ]

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import operator
 import os
 import socket
 import sys
@@ -37,7 +38,7 @@ from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtyp
 from .protocol import DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, ArrayDescriptor, parse_message
 from .wire import send_frame, recv_frame
 
-__all__ = ["Channel", "Lease", "Received", "PeerInfo", "mechanism_for", "release_all"]
+__all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all"]
 
 #: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
 MAX_CHUNKS = 4096
@@ -233,13 +234,15 @@ class _BatchViews:
         self.keep: Any = None  # weakref.ref to the live _Keep, if any
         self.bases: dict[tuple[int, Any], Any] = {}  # (chunk id, torch dtype) -> weakref.ref to the chunk tensor
 
-    def tensor(self, r: "Received", torch: Any, dtype: Any) -> Any:
+    def _keep(self) -> _Keep:
         keep = self.keep() if self.keep is not None else None
         if keep is None:  # every earlier chunk tensor is gone (they held it)
             keep = _Keep()
             self.keep = weakref.ref(keep)
-        keep.members.append(r)
-        chunk = r._chunk
+        return keep
+
+    def _base(self, chunk: _ImportedChunk, torch: Any, dtype: Any, keep: _Keep) -> Any:
+        """The whole chunk as one tensor of ``dtype`` (one ``torch.from_dlpack`` per chunk and dtype)."""
         ref = self.bases.get((chunk.id, dtype))
         base = ref() if ref is not None else None
         if base is None:
@@ -248,11 +251,31 @@ class _BatchViews:
 
             from ..buffers import mapped_buffer
 
-            raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, r.device, keep),
+            raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, chunk.device, keep),
                                                 (chunk.size,), (1,), dtype=np.dtype("uint8"))
             base = torch.from_dlpack(raw).view(dtype)
             self.bases[(chunk.id, dtype)] = weakref.ref(base)
-        return base.as_strided(*r.descriptor.elements())
+        return base
+
+    def tensor(self, r: "Received", torch: Any, dtype: Any) -> Any:
+        keep = self._keep()
+        keep.members.append(r)
+        return self._base(r._chunk, torch, dtype, keep).as_strided(*r.descriptor.elements)
+
+    def tensors(self, items: "list[Received]", torch: Any) -> list[Any]:
+        """:meth:`tensor` of each of ``items`` (unreleased items of this batch), the lookups done once."""
+        keep = self._keep()
+        keep.members.extend(items)
+        bases: dict[tuple[int, str], Any] = {}
+        out = []
+        append = out.append
+        for r in items:
+            d = r.descriptor
+            base = bases.get((r._chunk.id, d.dtype))
+            if base is None:
+                base = bases[(r._chunk.id, d.dtype)] = self._base(r._chunk, torch, getattr(torch, d.dtype), keep)
+            append(base.as_strided(*d.elements))
+        return out
 
 
 class Received:
@@ -461,6 +484,31 @@ def release_all(items: Iterable[Received]) -> None:
         hold.release(members)
 
 
+def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, Any] | list[Any]:
+    """torch tensors for many :class:`Received` (a ``recv_many`` batch: its dict, or its list), in the
+    same form: what :meth:`Received.as_tensor` gives for each, and with the same lifetime rules, but
+    with the per-batch work done once (a state dict of thousands of tensors, every step).
+
+    Raises:
+        InvalidArgumentError: an item is not a Received, or was released.
+        NotSupportedError: torch is not installed.
+    """
+    names = list(items.keys()) if isinstance(items, Mapping) else None
+    rs = list(items.values()) if isinstance(items, Mapping) else list(items)
+    bad = next((r for r in rs if not isinstance(r, Received)), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"as_tensors takes Received objects, got {type(bad).__name__}")
+    for r in rs:
+        r._check()
+    torch = _require("torch")
+    first = rs[0]._batch if rs else None
+    if first is not None and all(r._batch is first for r in rs):  # one device batch: one pass
+        out = first.tensors(rs, torch)
+    else:
+        out = [r.as_tensor() for r in rs]
+    return dict(zip(names, out)) if names is not None else out
+
+
 def _stream_handle(stream: Any) -> int:
     """A ``CUstream`` handle as an int from a cuda.core, torch or CuPy stream, an int, or ``None`` (0)."""
     if stream is None:
@@ -551,6 +599,7 @@ def _inspect(array: Any) -> _Source:
 _NUMPY_NAMES: dict[Any, str] = {}
 #: torch dtype -> (wire dtype name, itemsize).
 _TORCH_DTYPES: dict[Any, tuple[str, int]] = {}
+_NAME = operator.attrgetter("name")
 #: Array types :func:`_signatures` reads: 1 torch tensors, 2 NumPy arrays.
 _SIG_KINDS: dict[type, int] = {}
 
@@ -1086,9 +1135,14 @@ class Channel:
                         self._state.notify_all()  # a thread waiting above may now read
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
-                       ordering: str | None = None) -> list[Received]:
+                       ordering: str | None = None, chunks: dict[int, Any] | None = None) -> list[Received]:
+        """``chunks``: the chunks the descriptors name, by id, as they were when the message arrived."""
         imports = self._imports
-        chunks = {d.chunk: imports[d.chunk] for d in descs}
+        if chunks is None:
+            chunks = {d.chunk: imports[d.chunk] for d in descs}
+        for cid, chunk in chunks.items():
+            if imports.get(cid) is not chunk:  # retired while the message waited: only a broken peer does that
+                raise ProtocolError(f"chunk {cid} was retired while an array in it waited to be received")
         hold = _Hold(self, lease_id, list(chunks.values()), len(descs))
         out = [Received(hold, lease_id, d, chunks[d.chunk], stream, ordering) for d in descs]
         for r in out:
@@ -1119,22 +1173,22 @@ class Channel:
             ProtocolError: the peer broke the protocol (the connection was closed).
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
         """
-        _, lease_id, descs, _, ordering = self._next(timeout, want_batch=False)
-        return self._make_received(lease_id, descs, _stream_handle(stream), ordering)[0]
+        _, lease_id, descs, _, ordering, chunks = self._next(timeout, want_batch=False)
+        return self._make_received(lease_id, descs, _stream_handle(stream), ordering, chunks)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None) -> dict[str, Received] | list[Received]:
         """The next ``send_many`` batch: a dict by name (for a mapping) or a list; a single array as a list of one.
 
         Raises: as :meth:`recv`.
         """
-        kind, lease_id, descs, mapping, ordering = self._next(timeout, want_batch=True)
-        out = self._make_received(lease_id, descs, _stream_handle(stream), ordering)
+        kind, lease_id, descs, mapping, ordering, chunks = self._next(timeout, want_batch=True)
+        out = self._make_received(lease_id, descs, _stream_handle(stream), ordering, chunks)
         if len(out) > 1 and out[0].device >= 0:
             views = _BatchViews()
             for r in out:
                 r._batch = views
         if mapping:
-            return {r.name: r for r in out}
+            return dict(zip(map(_NAME, descs), out))
         return out
 
     # --- releases (importer side) -----------------------------------------------------
@@ -1249,8 +1303,9 @@ class Channel:
                 ordering = msg["ordering"]
                 kind = "arrays"
             else:
+                chunks = {}
                 for d in descs:
-                    chunk = self._imports.get(d.chunk)
+                    chunk = chunks[d.chunk] = self._imports.get(d.chunk)
                     if chunk is None:
                         raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
                     if d.block_offset + d.block_bytes > chunk.size:
@@ -1260,13 +1315,13 @@ class Channel:
                         raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
                 mapping = kind == "arrays" and msg["mapping"]
                 if "layout" in msg:
-                    self._define_layout(msg["layout"], descs, mapping)
+                    self._define_layout(msg["layout"], descs, mapping, chunks)
             with self._state:
                 if lease_id in self._held:
                     raise ProtocolError(f"lease {lease_id} is already held")
                 if descs:
                     self._held.add(lease_id)
-                    self._queue.append((kind, lease_id, descs, mapping, ordering))
+                    self._queue.append((kind, lease_id, descs, mapping, ordering, chunks))
                     if self._waiters:
                         self._state.notify_all()
                 elif not (self._eof or self._closed):
@@ -1288,12 +1343,13 @@ class Channel:
         else:  # hello after the handshake
             raise ProtocolError(f"unexpected {kind!r} message after the handshake")
 
-    def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool) -> None:
+    def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool,
+                       chunks: dict[int, _ImportedChunk]) -> None:
         if layout in self._layouts:
             raise ProtocolError(f"layout {layout} defined twice")
         # The imports themselves, not their ids: a repeat must find these very chunks (an id retired
         # and announced again is another chunk, of another size).
-        self._layouts[layout] = (descs, mapping, {d.chunk: self._imports[d.chunk] for d in descs})
+        self._layouts[layout] = (descs, mapping, chunks)
         if len(self._layouts) > MAX_LAYOUTS:  # first in, first out, as the exporter forgets them
             del self._layouts[next(iter(self._layouts))]
 

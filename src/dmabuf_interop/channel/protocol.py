@@ -164,14 +164,11 @@ class ArrayDescriptor:
         return True
 
     @functools.cached_property
-    def _elements(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        size = DTYPES[self.dtype]
-        return self.shape, tuple(st // size for st in self.strides), (self.block_offset + self.byte_offset) // size
-
     def elements(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(shape, strides, offset) in elements, the offset from the chunk's start: ``as_strided``'s
         arguments over the chunk (computed once per descriptor; a repeated layout reuses it)."""
-        return self._elements
+        size = DTYPES[self.dtype]
+        return self.shape, tuple(st // size for st in self.strides), (self.block_offset + self.byte_offset) // size
 
     def event_handle(self) -> bytes | None:
         """The decoded 64-byte event handle, or ``None``."""

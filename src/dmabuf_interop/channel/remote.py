@@ -350,7 +350,7 @@ class RemoteChannel(Channel):
         return self._own_pool
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
-                       ordering: str | None = None) -> list[Received]:
+                       ordering: str | None = None, chunks: dict[int, Any] | None = None) -> list[Received]:
         pool = self._recv_pool()
         blocks: list[Block] = []
         try:
@@ -417,7 +417,7 @@ class RemoteChannel(Channel):
         """
         from .channel import _inspect
 
-        _, lease_id, descs, _, _ = self._next(timeout, want_batch=False)
+        _, lease_id, descs, *_ = self._next(timeout, want_batch=False)
         d = descs[0]
         try:
             dst = _inspect(out)

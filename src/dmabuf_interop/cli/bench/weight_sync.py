@@ -12,14 +12,15 @@ as ONE ``send_many``. Variants:
 =========  =================================================================
 hand-off   the engine reads the trainer's tensors in place under the lease and
            holds version k until it gives its weights back for step k+1
-copy       the engine copies every tensor into its own parameters on its stream
-           (which waits on the producer's event), then releases
+copy       the engine copies every tensor into its own parameters on its stream,
+           then releases
 =========  =================================================================
 
-Timed per step: trainer's ``send_many`` starts -> the engine holds every tensor
-of the new version (hand-off: torch tensors / NumPy arrays over the blocks;
-copy: copies complete), from ``CLOCK_MONOTONIC`` stamps in both processes. The
-checksum check runs after the timed span, every step.
+Timed per step: trainer's ``send_many`` starts (its step's GPU work done: it
+synchronises its stream first, as the peers do) -> the engine holds every tensor
+of the new version (hand-off: torch tensors, ``as_tensors``, / NumPy arrays over
+the blocks; copy: copies complete), from ``CLOCK_MONOTONIC`` stamps in both
+processes. The checksum check runs after the timed span, every step.
 
 Peers, measured in the same run (GPU only; torch): ``torch-reductions``
 (``torch.multiprocessing.reductions.reduce_tensor`` per tensor, pickled handles
@@ -157,6 +158,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
                     lease.wait(cfg["timeout"])  # the engine gave version k back
                 be.bump(params)
                 be.checksums(params, sums)
+                be.synchronize()  # the new version is complete when the sync starts, as in the peers
                 t0 = time.monotonic_ns()
                 lease = ch.send_many(state, stream=None if host else be.stream,
                                      meta={"step": k, "variant": variant, "t0": t0}, timeout=cfg["timeout"])
@@ -195,15 +197,14 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(f"expected step {k} of {variant}, got {meta}")
             sums_r = batch.pop(SUMS)
             sums = be.view(sums_r)
+            views = be.views(batch)
             if variant == "copy":
-                for name, r in batch.items():
-                    be.copy(own[name], be.view(r))
+                be.copy_all([own[n] for n in views], list(views.values()))
+                views = None
                 release_all(batch.values())  # one cuStreamSynchronize: the copies are done
                 t1 = time.monotonic_ns()
-                views = None
                 held = [own[n] for n, _ in shapes]
             else:
-                views = {name: be.view(r) for name, r in batch.items()}
                 t1 = time.monotonic_ns()
                 held = [views[n] for n, _ in shapes]
             if timed:
@@ -334,10 +335,12 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float, results: list[di
     killed: set[int] = set()
     if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # Ctrl-C: end the children now
         results = [{"status": "error", "reason": "interrupted"}] * len(procs)
+    # A child whose stdout reached EOF is ending by itself: left to end, so its own status is read.
+    ending = {proc.pid for proc, res in zip(procs, results) if "without reporting" in res.get("reason", "")}
     for proc, res in zip(procs, results):
         if res.get("status") != "ok":  # a peer that failed leaves the other waiting: end it
             for other in procs:
-                if other.poll() is None:
+                if other.pid not in ending and other.poll() is None:
                     other.kill()
                     killed.add(other.pid)
     for proc in procs:

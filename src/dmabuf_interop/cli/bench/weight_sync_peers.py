@@ -90,15 +90,15 @@ def _peer_engine(cfg: dict[str, Any], conn: Any) -> dict[str, Any]:
             msg = conn.recv()
             if cfg["peer"] == "torch-reductions":
                 _, t0, sums, handles = msg
-                for n, (fn, args) in handles:
-                    be.copy(own[n], fn(*args))  # rebuild opens the handle (cached by torch), then copy
+                # rebuild opens each handle (cached by torch), then copy
+                be.copy_all([own[n] for n, _ in handles], [fn(*args) for _, (fn, args) in handles])
                 be.stream.synchronize()
                 del handles
             else:
                 _, t0, sums, group, (fn, args) = msg
                 src = fn(*args)  # cudaIpcOpenMemHandle
-                for n, off, s in group:
-                    be.copy(own[n], src[off:off + 2 * math.prod(s)].view(torch.bfloat16).view(s))
+                be.copy_all([own[n] for n, _, _ in group],
+                            [src[off:off + 2 * math.prod(s)].view(torch.bfloat16).view(s) for _, off, s in group])
                 be.stream.synchronize()
                 del src, fn, args, msg  # the last reference: cudaIpcCloseMemHandle
             if sums is not None:
