@@ -476,24 +476,25 @@ def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(a
         values, _ = round_trip(prod, cons, state, {"step": step})
         assert (values["w"] == step).all() and (values["w2"] == step).all() and (values["b"] == step / 2).all()
         assert pool.used_bytes == live  # every lease gave its blocks back
-    memo = prod._memo
-    assert memo is not None and memo.layout is not None and len(prod._layouts_sent) == 1
+    (memo,) = prod._memos.values()
+    assert memo.layout is not None and len(prod._layouts_sent) == 1
     # A new array where the old one was (its block freed, another allocated at the same address):
     # the remembered block is gone, so the batch is looked up again and lends the new block.
     old_ptr = state["b"].ctypes.data
-    del state["b"]
+    state["b"] = None  # (the key keeps its place in the dict)
     gc.collect()
     state["b"] = pool.empty(5, "float64")
     state["b"][:] = 9
     values, _ = round_trip(prod, cons, state)
     assert (values["b"] == 9).all() and pool.used_bytes == live
     if state["b"].ctypes.data == old_ptr:
-        assert prod._memo is not memo  # remembered again, for the new block
+        assert prod._memos[memo.key] is not memo  # remembered again, for the new block
     # Another layout of the same memory under the same name: not the remembered one.
     state["w"] = state["w"].T
     values, _ = round_trip(prod, cons, state)
     assert values["w"].shape == (3, 4) and (values["w"] == 2).all()
-    assert len(prod._layouts_sent) == 3 and pool.used_bytes == live
+    same_place = state["b"].ctypes.data == old_ptr  # then the new "b" repeats the first layout
+    assert len(prod._layouts_sent) == (2 if same_place else 3) and pool.used_bytes == live
     # Arrays copied into the pool are never remembered: each send copies anew.
     values, _ = round_trip(prod, cons, {"x": np.arange(3)})
     values, _ = round_trip(prod, cons, {"x": np.arange(3) + 1})

@@ -162,3 +162,22 @@ def test_a_child_killed_by_a_signal_is_reported_as_such_not_as_echild() -> None:
     assert results[0]["status"] == "error"
     assert "killed by SIGKILL (out of memory?)" in results[0]["reason"], results[0]
     assert died.returncode == -9 and waiting.returncode == -9
+
+
+@pytest.mark.parametrize("workload", ["ws-8b", "ws-moe"])
+def test_a_step_is_cut_into_batches_that_keep_the_order_and_end_with_the_checksums(workload: str) -> None:
+    from dmabuf_interop.channel.protocol import MAX_LAYOUTS
+    from dmabuf_interop.cli.bench.weight_sync import (COPY_BUCKETS, HANDOFF_BUCKET_ITEMS, SUMS, _buckets,
+                                                       model_shapes)
+
+    shapes = model_shapes(workload)
+    state = {n: object() for n, _ in shapes}
+    state[SUMS] = object()
+    handoff, copy = _buckets(state, shapes, "hand-off"), _buckets(state, shapes, "copy")
+    for parts in (handoff, copy):
+        assert [n for part in parts for n in part] == [n for n, _ in shapes] + [SUMS]
+        assert all(part[n] is state[n] for part in parts for n in part)
+    assert all(len(part) <= HANDOFF_BUCKET_ITEMS for part in handoff[:-1])
+    assert len(handoff) == -(-len(shapes) // HANDOFF_BUCKET_ITEMS)
+    assert 1 < len(copy) <= COPY_BUCKETS
+    assert len(handoff) + len(copy) <= MAX_LAYOUTS  # every layout of a run stays known to the engine

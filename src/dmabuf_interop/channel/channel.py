@@ -188,9 +188,13 @@ class _Hold:
     item is released (or, as a safety net, when the last of them is collected), and one reference
     on each chunk they lie in. One per message, so a batch of thousands pays one finaliser."""
 
-    __slots__ = ("left", "lock", "fin", "__weakref__")
+    __slots__ = ("left", "lock", "fin", "lease_id", "stream", "ordering", "__weakref__")
 
-    def __init__(self, channel: "Channel", lease_id: int, chunks: list[_ImportedChunk], items: int) -> None:
+    def __init__(self, channel: "Channel", lease_id: int, chunks: list[_ImportedChunk], items: int,
+                 stream: int = 0, ordering: str | None = None) -> None:
+        self.lease_id = lease_id
+        self.stream = stream  # the stream given to recv: made to wait on the event; synchronised by release
+        self.ordering = ordering  # a repeated layout's: its descriptors keep their first ordering
         self.left = items
         self.lock = threading.Lock()
         for chunk in chunks:
@@ -289,21 +293,32 @@ class Received:
         device: the importing CUDA ordinal, or ``-1`` for host memory.
     """
 
-    # Slots, and the descriptor's fields read through it: a state dict makes thousands per step.
-    __slots__ = ("descriptor", "lease_id", "ordering", "device", "_stream", "_chunk", "_batch", "_hold", "_done",
-                 "__weakref__")
+    # Slots, and the other fields read through the descriptor, chunk and hold: a state dict
+    # makes thousands per step.
+    __slots__ = ("descriptor", "_chunk", "_batch", "_hold", "_done", "__weakref__")
 
-    def __init__(self, hold: _Hold, lease_id: int, desc: ArrayDescriptor, chunk: _ImportedChunk,
-                 stream: int, ordering: str | None = None) -> None:
+    def __init__(self, hold: _Hold, desc: ArrayDescriptor, chunk: _ImportedChunk) -> None:
         self.descriptor = desc
-        self.lease_id = lease_id
-        self.ordering = ordering or desc.ordering  # a repeated layout's descriptors keep their first ordering
-        self.device: int = chunk.device
-        self._stream = stream
         self._chunk = chunk
         self._batch: _BatchViews | None = None
         self._hold = hold  # the chunk stays mapped, and the lease held, while this lives
         self._done = False
+
+    @property
+    def lease_id(self) -> int:
+        return self._hold.lease_id
+
+    @property
+    def ordering(self) -> str:
+        return self._hold.ordering or self.descriptor.ordering
+
+    @property
+    def device(self) -> int:
+        return self._chunk.device
+
+    @property
+    def _stream(self) -> int:
+        return self._hold.stream
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -629,13 +644,20 @@ def _wire_descs(placed: list[Any], order: str, ev64: str | None, meta: dict[str,
 
 class _Memo:
     """A batch lent whose every array lay in a :class:`.pool.SharedPool` block: sending the same
-    names over the same addresses and layouts again (a model's state dict, every step) reuses its
-    placement, referencing its blocks again, without inspecting and finding each array."""
+    names over the same addresses and layouts again (a model's state dict, every step, whole or
+    in buckets) reuses its placement, referencing its blocks again, without inspecting and finding
+    each array."""
 
-    __slots__ = ("names", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout")
+    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout")
+
+    @staticmethod
+    def key_of(names: list[str | None]) -> tuple[Any, ...]:
+        """Where a batch's memo is kept: cheap to make; the full names are compared on use."""
+        return (len(names), names[0], names[-1])
 
     def __init__(self, names: list[str | None], sigs: tuple[Any, ...], placed: list[Any], dev_pool: Any) -> None:
         self.names = names
+        self.key = self.key_of(names)
         self.sigs = sigs
         self.placed = placed
         self.blocks = [p[1] for p in placed]  # a lease's list, shared: a Lease never changes it
@@ -713,7 +735,8 @@ class Channel:
         self._layouts_sent: dict[Any, int] = {}
         self._layout_ids = itertools.count(1)
         self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, dict[int, Any]]] = {}
-        self._memo: _Memo | None = None  # the last batch lent whose arrays all lay in pool blocks
+        # Batches lent whose arrays all lay in pool blocks, by (length, first name, last name).
+        self._memos: dict[tuple[Any, ...], _Memo] = {}
         self._flusher: threading.Thread | None = None
         # The flusher has its own wake-up, so that it never competes with recv() for the GIL
         # when an array arrives; and _state is notified only when a recv() waits on it.
@@ -963,9 +986,8 @@ class Channel:
         found: list[list[Any]] = []
         memo = None
         try:
-            again, sigs = self._lend_again(names, arrays) if batch is not None else (None, None)
+            again, sigs, memo = self._lend_again(names, arrays) if batch is not None else (None, None, None)
             if again is not None:
-                memo = self._memo
                 placed = again  # referenced again by _lend_again; the except below gives them back
                 dev_pool = memo.dev_pool
             else:
@@ -1026,24 +1048,36 @@ class Channel:
             raise
         return lease
 
-    def _lend_again(self, names: list[str | None], arrays: list[Any]) -> tuple[list[Any] | None, tuple[Any, ...] | None]:
-        """The last remembered batch's placement (:class:`_Memo`), its blocks referenced again, when
-        ``names`` and ``arrays`` are the same names over arrays at the same addresses with the same shapes, strides
-        and dtypes, and every block is still allocated. Otherwise ``None``, with the arrays'
-        signatures to remember (``None`` when some array has no cheap one)."""
+    def _lend_again(self, names: list[str | None],
+                    arrays: list[Any]) -> tuple[list[Any] | None, tuple[Any, ...] | None, "_Memo | None"]:
+        """A remembered batch's placement (:class:`_Memo`), its blocks referenced again, when ``names``
+        and ``arrays`` are its names over arrays at the same addresses with the same shapes, strides
+        and dtypes, and every block is still allocated: ``(placement, signatures, memo)``. Otherwise
+        ``(None, signatures, None)``; the signatures are ``None`` when some array has no cheap one."""
         sigs = _signatures(arrays)
-        memo = self._memo
-        if sigs is None or memo is None or sigs != memo.sigs or names != memo.names:
-            return None, sigs
+        memo = self._memos.get(_Memo.key_of(names)) if sigs is not None else None
+        if memo is None or memo.layout is None or sigs != memo.sigs or names != memo.names:
+            return None, sigs, None
         done: list[tuple[Any, list[Block]]] = []
         for pool, blocks in memo.by_pool:
             if not pool._ref_live(blocks):  # a block was freed (its array dropped) since
                 for p, bl in done:
                     p._unref_many(bl)
-                self._memo = None
-                return None, sigs
+                self._forget(memo)
+                return None, sigs, None
             done.append((pool, blocks))
-        return memo.placed, sigs
+        return memo.placed, sigs, memo
+
+    def _remember(self, memo: "_Memo", layout: int) -> None:
+        """``memo``'s layout is known to the peer now (the caller holds the send lock)."""
+        memo.layout = layout
+        self._memos[memo.key] = memo
+        if len(self._memos) > MAX_LAYOUTS:
+            del self._memos[next(iter(self._memos))]
+
+    def _forget(self, memo: "_Memo") -> None:
+        if self._memos.get(memo.key) is memo:
+            del self._memos[memo.key]
 
     def _send_batch(self, lease_id: int, placed: list[Any], mapping: bool, order: str, ev64: str | None,
                     meta: dict[str, Any] | None, memo: "_Memo | None" = None) -> None:
@@ -1052,7 +1086,7 @@ class Channel:
         state dict, sent every step), so the peer validates and rebuilds nothing. ``memo``: the
         placement came from it (a repeat of its layout) or is to be remembered in it."""
         with self._send_lock:
-            if memo is not None and memo.layout is not None and self._memo is memo:
+            if memo is not None and memo.layout is not None and self._memos.get(memo.key) is memo:
                 self._send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
                                    "event": ev64, "meta": meta})
                 return
@@ -1063,8 +1097,7 @@ class Channel:
         with self._send_lock:
             layout = self._layouts_sent.get(key)
             if memo is not None and layout is not None:
-                memo.layout = layout
-                self._memo = memo
+                self._remember(memo, layout)
             if layout is not None:
                 self._send_locked({"kind": "repeat", "lease": lease_id, "layout": layout, "ordering": order,
                                    "event": ev64, "meta": meta})
@@ -1077,13 +1110,12 @@ class Channel:
                 raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
             self._layouts_sent[key] = layout
             if memo is not None:
-                memo.layout = layout
-                self._memo = memo
+                self._remember(memo, layout)
             if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
                 oldest = next(iter(self._layouts_sent))
-                if self._memo is not None and self._memo.layout == self._layouts_sent[oldest]:
-                    self._memo = None
-                del self._layouts_sent[oldest]
+                gone = self._layouts_sent.pop(oldest)
+                for m in [m for m in self._memos.values() if m.layout == gone]:
+                    self._forget(m)
 
     @property
     def outstanding(self) -> int:
@@ -1143,8 +1175,8 @@ class Channel:
         for cid, chunk in chunks.items():
             if imports.get(cid) is not chunk:  # retired while the message waited: only a broken peer does that
                 raise ProtocolError(f"chunk {cid} was retired while an array in it waited to be received")
-        hold = _Hold(self, lease_id, list(chunks.values()), len(descs))
-        out = [Received(hold, lease_id, d, chunks[d.chunk], stream, ordering) for d in descs]
+        hold = _Hold(self, lease_id, list(chunks.values()), len(descs), stream, ordering)
+        out = [Received(hold, d, chunks[d.chunk]) for d in descs]
         for r in out:
             if r.ordering == "event":
                 from .. import _driver as driver

@@ -40,7 +40,7 @@ from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, 
 from .auth import authenticate_connector, authenticate_listener, load_secret
 from .channel import MAX_CHUNKS, Channel, PeerInfo, Received, _Hold
 from .handshake import ListenerBase, hello, recv_hello, refuse
-from .pool import Block, SharedPool
+from .pool import Block, SharedPool, chunk_ids
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, _int, _keys, visible_gpu_uuids
 from .wire import recv_frame, send_frame
 
@@ -230,12 +230,15 @@ class _LocalBlock:
     """A block of this side's pool that a ``READ`` filled; back to the pool when its batch's
     :class:`Received` are all released or gone.
 
-    Offers what :class:`Received` reads from an imported chunk (``buf.ptr``, ``buf.device``, ``buf._mapping``).
+    Offers what :class:`Received` reads from an imported chunk (``id``, ``size``, ``device``, ``buf.ptr``,
+    ``buf._mapping``).
     """
 
     def __init__(self, block: Block) -> None:
         self.block = block
         self.buf = self
+        self.id = next(chunk_ids)  # its own: torch views of a batch are made per chunk (_BatchViews)
+        self.size = block.size
         self.ptr = block.ptr
         self.device = -1 if block.pool.is_host else block.pool.device
         self._mapping = (types.SimpleNamespace(map=block.chunk.host_keepalive(block.offset, block.size))
@@ -381,7 +384,7 @@ class RemoteChannel(Channel):
         for d, block, lb in zip(descs, blocks, local_blocks):
             local = ArrayDescriptor(block.chunk.id, 0, block.size, 0, d.shape, d.strides, d.dtype,
                                     "none" if pool.is_host else "sync", None, d.name, d.meta)
-            out.append(Received(hold, lease_id, local, lb, 0))
+            out.append(Received(hold, local, lb))
         return out
 
     def _consumed(self, lease_id: int) -> None:

@@ -52,8 +52,14 @@ from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch, settle_gc
 
 __all__ = ["WORKLOADS", "model_shapes", "payload_bytes", "add_arguments", "main"]
 
-#: Name of the checksum array inside each batch.
+#: Name of the checksum array (it travels in the step's last batch).
 SUMS = "__checksums__"
+#: hand-off: a step's state dict goes as batches of at most this many tensors, so that the engine
+#: builds the tensors of one while the trainer sends the next.
+HANDOFF_BUCKET_ITEMS = 4096
+#: copy: a step's state dict goes as this many batches of about equal bytes, so that the engine's
+#: copies of one run while the next is handed over (within the layouts a channel remembers).
+COPY_BUCKETS = 8
 
 # Public config numbers (Qwen3-8B, Qwen3-30B-A3B); "small" keeps the layout at a few MB.
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -107,6 +113,23 @@ def model_shapes(workload: str, small: bool = False) -> list[tuple[str, tuple[in
     return out
 
 
+def _buckets(state: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]], variant: str) -> list[dict[str, Any]]:
+    """A step's batches, in order, the checksums in the last: :data:`HANDOFF_BUCKET_ITEMS` tensors each
+    (hand-off), or :data:`COPY_BUCKETS` of about equal bytes (copy)."""
+    out: list[dict[str, Any]] = [{}]
+    goal = payload_bytes(shapes) / COPY_BUCKETS
+    filled = 0
+    for name, shape in shapes:
+        full = (len(out[-1]) >= HANDOFF_BUCKET_ITEMS if variant != "copy"
+                else filled >= goal * len(out) and len(out) < COPY_BUCKETS)
+        if full:
+            out.append({})
+        out[-1][name] = state[name]
+        filled += 2 * math.prod(shape)
+    out[-1][SUMS] = state[SUMS]
+    return out
+
+
 def payload_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
     """Bytes of the bf16 payload."""
     return sum(2 * math.prod(s) for _, s in shapes)
@@ -141,12 +164,13 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     be.fill(params)
     state = {n: p for (n, _), p in zip(shapes, params)}
     state[SUMS] = sums
+    buckets = {v: _buckets(state, shapes, v) for v in cfg["variants"]}
     send_ms: list[float] = []
     mem: dict[str, Any] = {}
     with pool, listen(cfg["address"], pool=pool) as listener:
         _emit({"ready": True})
         ch = listener.accept(timeout=cfg["timeout"])
-        lease = None
+        leases: list[Any] = []
         cpu0 = 0.0
         settle_gc()
         try:
@@ -154,21 +178,24 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
                 if k == cfg["warmup"]:
                     mem.setdefault(variant, {"free_before": be.memory(), "fds_before": _fd_count()})
                     cpu0 = time.process_time()
-                if lease is not None:
+                for lease in leases:
                     lease.wait(cfg["timeout"])  # the engine gave version k back
                 be.bump(params)
                 be.checksums(params, sums)
                 be.synchronize()  # the new version is complete when the sync starts, as in the peers
                 t0 = time.monotonic_ns()
-                lease = ch.send_many(state, stream=None if host else be.stream,
-                                     meta={"step": k, "variant": variant, "t0": t0}, timeout=cfg["timeout"])
+                parts = buckets[variant]
+                leases = [ch.send_many(part, stream=None if host else be.stream, timeout=cfg["timeout"],
+                                       meta={"step": k, "variant": variant, "t0": t0, "part": i, "parts": len(parts)})
+                          for i, part in enumerate(parts)]
                 if timed:
                     send_ms.append((time.monotonic_ns() - t0) / 1e6)
                 if k == cfg["warmup"] + cfg["reps"] - 1:
-                    lease.wait(cfg["timeout"])
+                    for lease in leases:
+                        lease.wait(cfg["timeout"])
                     mem[variant].update(free_after=be.memory(), fds_after=_fd_count(),
                                         cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"], 3))
-                    lease = None
+                    leases = []
         finally:
             ch.close()
         # torch's tensors were lent in place exactly when nothing but the checksums went into the pool
@@ -191,17 +218,28 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
             if k == cfg["warmup"]:
                 out["memory"][variant] = {"free_before": be.memory(), "fds_before": _fd_count()}
                 cpu0 = time.process_time()
-            batch = ch.recv_many(timeout=cfg["timeout"], stream=None if host else be.stream)
-            meta = next(iter(batch.values())).meta or {}
-            if meta.get("step") != k or meta.get("variant") != variant:
-                raise RuntimeError(f"expected step {k} of {variant}, got {meta}")
-            sums_r = batch.pop(SUMS)
-            sums = be.view(sums_r)
-            views = be.views(batch)
+            received: list[Any] = []  # every Received of the step
+            views: dict[str, Any] = {}
+            part, parts, meta = 0, 1, {}
+            while part < parts:  # the step's batches, each used as it arrives
+                batch = ch.recv_many(timeout=cfg["timeout"], stream=None if host else be.stream)
+                received += batch.values()
+                meta = next(iter(batch.values())).meta or {}
+                if meta.get("step") != k or meta.get("variant") != variant or meta.get("part") != part:
+                    raise RuntimeError(f"expected part {part} of step {k} of {variant}, got {meta}")
+                parts = meta["parts"]
+                part += 1
+                got = be.views(batch)
+                if variant == "copy":
+                    be.copy_all([own[n] for n in got if n != SUMS], [v for n, v in got.items() if n != SUMS])
+                    if SUMS in got:
+                        views[SUMS] = got[SUMS]
+                else:
+                    views.update(got)
+                got = None
+            sums = views.pop(SUMS)
             if variant == "copy":
-                be.copy_all([own[n] for n in views], list(views.values()))
-                views = None
-                release_all(batch.values())  # one cuStreamSynchronize: the copies are done
+                release_all(r for r in received if r.name != SUMS)  # one cuStreamSynchronize: copies done
                 t1 = time.monotonic_ns()
                 held = [own[n] for n, _ in shapes]
             else:
@@ -212,7 +250,7 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
             if not be.equal_sums(held, sums):  # the "rollout": read version k
                 out["bad_checksums"] += 1
             held = sums = views = None  # drop the views, then give version k back
-            release_all([*batch.values(), sums_r])
+            release_all(received)
             if k == cfg["warmup"] + cfg["reps"] - 1:
                 out["memory"][variant].update(free_after=be.memory(), fds_after=_fd_count(),
                                               cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"],
