@@ -503,6 +503,32 @@ def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(a
         x.close()
 
 
+def test_single_sends_of_pool_arrays_are_remembered_per_array(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    ring = [pool.empty(6, "int64") for _ in range(3)]
+    live = pool.used_bytes
+    for rep in range(6):
+        a = ring[rep % 3]
+        a[:] = rep
+        lease = prod.send(a)
+        with cons.recv(5) as r:
+            assert (r.as_array() == rep).all()
+        lease.wait(5)
+        assert pool.used_bytes == live
+    assert len(prod._memos) == 3  # one per array of the ring
+    ring[0] = None  # freed: a new array may take its place, and is lent for itself
+    gc.collect()
+    ring[0] = pool.empty(6, "int64")
+    ring[0][:] = 42
+    lease = prod.send(ring[0])
+    with cons.recv(5) as r:
+        assert (r.as_array() == 42).all()
+    lease.wait(5)
+    assert pool.used_bytes == live
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_layout_whose_definition_failed_to_go_is_not_repeated(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.channel.wire import MAX_FRAME
 

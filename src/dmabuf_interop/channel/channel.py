@@ -42,6 +42,8 @@ __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_
 
 #: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
 MAX_CHUNKS = 4096
+#: Most placements a channel remembers for arrays sent again (:class:`_Memo`).
+MAX_MEMOS = 256
 #: How long a released block may wait to be batched with others before its ``release`` message goes out, seconds.
 RELEASE_DELAY = 0.002
 #: A release this long after the last ``release`` message goes out at once, in the caller's thread, seconds.
@@ -510,15 +512,17 @@ def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, 
     """
     names = list(items.keys()) if isinstance(items, Mapping) else None
     rs = list(items.values()) if isinstance(items, Mapping) else list(items)
-    bad = next((r for r in rs if not isinstance(r, Received)), None)
-    if bad is not None:
-        raise InvalidArgumentError(f"as_tensors takes Received objects, got {type(bad).__name__}")
-    for r in rs:
-        r._check()
+    # Checked with C-level maps: a state dict has thousands of items, every step.
+    if rs and set(map(type, rs)) != {Received}:
+        bad = next((r for r in rs if not isinstance(r, Received)), None)
+        if bad is not None:  # (a subclass passes)
+            raise InvalidArgumentError(f"as_tensors takes Received objects, got {type(bad).__name__}")
+    if any(map(_DONE, rs)) or not all(h.fin.alive for h in set(map(_HOLD, rs))):
+        raise InvalidArgumentError("a Received was released; its block may already hold other data")
     torch = _require("torch")
-    first = rs[0]._batch if rs else None
-    if first is not None and all(r._batch is first for r in rs):  # one device batch: one pass
-        out = first.tensors(rs, torch)
+    batches = set(map(_BATCH, rs))
+    if len(batches) == 1 and None not in batches:  # one device batch: one pass
+        out = batches.pop().tensors(rs, torch)
     else:
         out = [r.as_tensor() for r in rs]
     return dict(zip(names, out)) if names is not None else out
@@ -589,6 +593,7 @@ def _inspect(array: Any) -> _Source:
         from cuda.core.utils import StridedMemoryView
 
         if isinstance(array, StridedMemoryView):
+            _SIG_KINDS.setdefault(type(array), 3)
             dt = np.dtype(array.dtype)
             shape = tuple(array.shape)
             strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
@@ -615,7 +620,10 @@ _NUMPY_NAMES: dict[Any, str] = {}
 #: torch dtype -> (wire dtype name, itemsize).
 _TORCH_DTYPES: dict[Any, tuple[str, int]] = {}
 _NAME = operator.attrgetter("name")
-#: Array types :func:`_signatures` reads: 1 torch tensors, 2 NumPy arrays.
+_DONE = operator.attrgetter("_done")
+_HOLD = operator.attrgetter("_hold")
+_BATCH = operator.attrgetter("_batch")
+#: Array types :func:`_signatures` reads: 1 torch tensors, 2 NumPy arrays, 3 cuda.core StridedMemoryViews.
 _SIG_KINDS: dict[type, int] = {}
 
 
@@ -648,16 +656,19 @@ class _Memo:
     in buckets) reuses its placement, referencing its blocks again, without inspecting and finding
     each array."""
 
-    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout")
+    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout", "batch")
 
     @staticmethod
-    def key_of(names: list[str | None]) -> tuple[Any, ...]:
-        """Where a batch's memo is kept: cheap to make; the full names are compared on use."""
-        return (len(names), names[0], names[-1])
+    def key_of(batch: bool, names: list[str | None], sigs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Where a memo is kept, cheap to make (the full names and signatures are compared on use):
+        a named batch by its length and end names; arrays without names by their signatures."""
+        return (batch, len(names), names[0], names[-1]) if names[0] is not None else (batch, sigs)
 
-    def __init__(self, names: list[str | None], sigs: tuple[Any, ...], placed: list[Any], dev_pool: Any) -> None:
+    def __init__(self, names: list[str | None], sigs: tuple[Any, ...], placed: list[Any], dev_pool: Any,
+                 batch: bool) -> None:
         self.names = names
-        self.key = self.key_of(names)
+        self.key = self.key_of(batch, names, sigs)
+        self.batch = batch  # a send_many batch (sent as a layout), else one send
         self.sigs = sigs
         self.placed = placed
         self.blocks = [p[1] for p in placed]  # a lease's list, shared: a Lease never changes it
@@ -684,6 +695,8 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
             append((a.data_ptr(), a.shape, a.stride(), a.dtype))
         elif kind == 2:
             append((a.ctypes.data, a.shape, a.strides, a.dtype))
+        elif kind == 3:
+            append((a.ptr, a.shape, a.strides, a.dtype))
         else:
             return None
     return tuple(out)
@@ -986,7 +999,7 @@ class Channel:
         found: list[list[Any]] = []
         memo = None
         try:
-            again, sigs, memo = self._lend_again(names, arrays) if batch is not None else (None, None, None)
+            again, sigs, memo = self._lend_again(names, arrays, batch is not None)
             if again is not None:
                 placed = again  # referenced again by _lend_again; the except below gives them back
                 dev_pool = memo.dev_pool
@@ -1004,7 +1017,7 @@ class Channel:
                     zero_copy = zero_copy and lent is block and type(lent) is Block
                 dev_pool = next((p[1].pool for p in placed if not p[1].pool.is_host), None)
                 if zero_copy:
-                    memo = _Memo(names, sigs, placed, dev_pool)
+                    memo = _Memo(names, sigs, placed, dev_pool, batch is not None)
             event = events = None
             order = "none"
             if dev_pool is not None:
@@ -1039,6 +1052,9 @@ class Channel:
         try:
             if batch is None:
                 self._send({"kind": "array", "lease": lease.id, "desc": _wire_descs(placed, order, ev64, meta)[0]})
+                if memo is not None and again is None:
+                    with self._send_lock:
+                        self._remember(memo, None)
             else:
                 self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta, memo)
         except BaseException:
@@ -1048,15 +1064,15 @@ class Channel:
             raise
         return lease
 
-    def _lend_again(self, names: list[str | None],
-                    arrays: list[Any]) -> tuple[list[Any] | None, tuple[Any, ...] | None, "_Memo | None"]:
+    def _lend_again(self, names: list[str | None], arrays: list[Any],
+                    batch: bool) -> tuple[list[Any] | None, tuple[Any, ...] | None, "_Memo | None"]:
         """A remembered batch's placement (:class:`_Memo`), its blocks referenced again, when ``names``
         and ``arrays`` are its names over arrays at the same addresses with the same shapes, strides
         and dtypes, and every block is still allocated: ``(placement, signatures, memo)``. Otherwise
         ``(None, signatures, None)``; the signatures are ``None`` when some array has no cheap one."""
         sigs = _signatures(arrays)
-        memo = self._memos.get(_Memo.key_of(names)) if sigs is not None else None
-        if memo is None or memo.layout is None or sigs != memo.sigs or names != memo.names:
+        memo = self._memos.get(_Memo.key_of(batch, names, sigs)) if sigs is not None else None
+        if memo is None or sigs != memo.sigs or names != memo.names:
             return None, sigs, None
         done: list[tuple[Any, list[Block]]] = []
         for pool, blocks in memo.by_pool:
@@ -1068,11 +1084,11 @@ class Channel:
             done.append((pool, blocks))
         return memo.placed, sigs, memo
 
-    def _remember(self, memo: "_Memo", layout: int) -> None:
-        """``memo``'s layout is known to the peer now (the caller holds the send lock)."""
+    def _remember(self, memo: "_Memo", layout: int | None) -> None:
+        """``memo`` was sent; a batch's ``layout`` is known to the peer now (the caller holds the send lock)."""
         memo.layout = layout
         self._memos[memo.key] = memo
-        if len(self._memos) > MAX_LAYOUTS:
+        if len(self._memos) > MAX_MEMOS:
             del self._memos[next(iter(self._memos))]
 
     def _forget(self, memo: "_Memo") -> None:
@@ -1086,7 +1102,7 @@ class Channel:
         state dict, sent every step), so the peer validates and rebuilds nothing. ``memo``: the
         placement came from it (a repeat of its layout) or is to be remembered in it."""
         with self._send_lock:
-            if memo is not None and memo.layout is not None and self._memos.get(memo.key) is memo:
+            if memo is not None and memo.batch and memo.layout is not None and self._memos.get(memo.key) is memo:
                 self._send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
                                    "event": ev64, "meta": meta})
                 return
