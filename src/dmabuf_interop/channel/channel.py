@@ -48,6 +48,8 @@ MAX_MEMOS = 256
 RELEASE_DELAY = 0.002
 #: A release this long after the last ``release`` message goes out at once, in the caller's thread, seconds.
 RELEASE_GAP = 0.0002
+#: This many releases waiting go out at once, in the caller's thread (a busy consumer's batch).
+RELEASE_BATCH = 16
 
 _lease_ids = itertools.count(1)
 
@@ -1148,7 +1150,10 @@ class Channel:
         drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
             if self._pending and not self._queue:
-                self._flush()  # about to wait: send the releases now rather than after RELEASE_DELAY
+                # About to wait: send the releases now rather than after RELEASE_DELAY, unless a
+                # message has arrived already (a busy consumer lets its releases gather).
+                if not (self._reader is None and self._read_arrived()):
+                    self._flush()
             with self._state:
                 if self._queue:
                     if self._queue[0][0] == "arrays" and not want_batch:
@@ -1181,6 +1186,18 @@ class Channel:
                 if self._waiters:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
+
+    def _read_arrived(self) -> bool:
+        """Read one message if one has arrived, without waiting (no other thread reads the socket)."""
+        if not self._read_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._read_one(time.monotonic())
+        finally:
+            self._read_lock.release()
+            if self._waiters:
+                with self._state:
+                    self._state.notify_all()
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
                        ordering: str | None = None, chunks: dict[int, Any] | None = None) -> list[Received]:
@@ -1251,13 +1268,15 @@ class Channel:
     def _queue_release(self, lease_id: int, *, inline: bool = False) -> None:
         """Send the release of ``lease_id``: with ``inline``, now, in the caller's thread, when no
         release went out within :data:`RELEASE_GAP` (so the exporter reads it before its next send,
-        not during it); otherwise the flusher thread sends it with the others of its burst, within
-        :data:`RELEASE_DELAY` or sooner when :meth:`recv` is about to wait."""
+        not during it) or :data:`RELEASE_BATCH` are waiting; otherwise the flusher thread sends it
+        with the others of its burst, within :data:`RELEASE_DELAY`, or :meth:`recv` does when it is
+        about to wait and nothing has arrived."""
         with self._state:
             if self._eof or self._closed:
                 return
             self._pending.append(lease_id)
-            inline = inline and len(self._pending) == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP
+            n = len(self._pending)
+            inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
         # Non-blocking: while another thread sends, the flusher takes this one.
         if inline and self._send_lock.acquire(blocking=False):
             try:
