@@ -278,11 +278,11 @@ class _BatchViews:
         out = []
         append = out.append
         for r in items:
-            d = r.descriptor
-            base = bases.get((r._chunk.id, d.dtype))
+            key, args = r.descriptor.view_plan  # key: (r._chunk.id, dtype)
+            base = bases.get(key)
             if base is None:
-                base = bases[(r._chunk.id, d.dtype)] = self._base(r._chunk, torch, getattr(torch, d.dtype), keep)
-            append(base.as_strided(*d.elements))
+                base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
+            append(base.as_strided(*args))
         return out
 
 

@@ -170,6 +170,11 @@ class ArrayDescriptor:
         size = DTYPES[self.dtype]
         return self.shape, tuple(st // size for st in self.strides), (self.block_offset + self.byte_offset) // size
 
+    @functools.cached_property
+    def view_plan(self) -> tuple[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """``((chunk, dtype), elements)``: which chunk view a tensor of this array is cut from, and how."""
+        return (self.chunk, self.dtype), self.elements
+
     def event_handle(self) -> bytes | None:
         """The decoded 64-byte event handle, or ``None``."""
         return None if self.event is None else base64.b64decode(self.event)

@@ -382,7 +382,7 @@ class RemoteChannel(Channel):
         hold = _Hold(self, lease_id, local_blocks, len(descs))
         out = []
         for d, block, lb in zip(descs, blocks, local_blocks):
-            local = ArrayDescriptor(block.chunk.id, 0, block.size, 0, d.shape, d.strides, d.dtype,
+            local = ArrayDescriptor(lb.id, 0, block.size, 0, d.shape, d.strides, d.dtype,
                                     "none" if pool.is_host else "sync", None, d.name, d.meta)
             out.append(Received(hold, local, lb))
         return out
