@@ -636,3 +636,34 @@ def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: Sh
         as_tensors(batch)
     for x in (cons, prod, listener):
         x.close()
+
+
+def test_arrays_queued_before_the_end_stay_readable_after_it(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    theirs = SharedPool(chunk_bytes=1 << 20, max_bytes=1 << 20)
+    lease = cons.send(theirs.empty(1, "int64"))  # the consumer lends too: its background reader takes the socket
+    arrays = [pool.empty(4, "int64") for _ in range(3)]
+    for i, a in enumerate(arrays):
+        a[:] = i
+        prod.send(a)
+    prod.recv(5).release()  # the consumer's array: its reader is reading now
+    deadline = time.monotonic() + 5
+    while len(cons._queue) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    prod.close()  # retires nothing itself; the end of the connection unmaps idle chunks on the consumer
+    pool.close()  # retire messages, then the chunks' exports are closed
+    deadline = time.monotonic() + 5
+    while not cons.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cons.closed
+    got = []
+    for _ in arrays:
+        with cons.recv(5) as r:  # queued before the end: still mapped, still readable
+            got.append(r.as_array().tolist())
+    assert got == [[i] * 4 for i in range(3)]
+    with pytest.raises(PeerClosedError):
+        cons.recv(1)
+    lease.wait(5)
+    listener.close()
+    cons.close()
+    theirs.close()

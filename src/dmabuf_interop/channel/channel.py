@@ -1200,15 +1200,13 @@ class Channel:
                     self._state.notify_all()
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
-                       ordering: str | None = None, chunks: dict[int, Any] | None = None) -> list[Received]:
-        """``chunks``: the chunks the descriptors name, by id, as they were when the message arrived."""
-        imports = self._imports
-        if chunks is None:
-            chunks = {d.chunk: imports[d.chunk] for d in descs}
-        for cid, chunk in chunks.items():
-            if imports.get(cid) is not chunk:  # retired while the message waited: only a broken peer does that
-                raise ProtocolError(f"chunk {cid} was retired while an array in it waited to be received")
+                       ordering: str | None, chunks: dict[int, Any]) -> list[Received]:
+        """``chunks``: the chunks the descriptors name, by id, retained while the message waited in the
+        queue (so a ``retire``, or the end of the connection, that came after it leaves them mapped);
+        the hold takes them over."""
         hold = _Hold(self, lease_id, list(chunks.values()), len(descs), stream, ordering)
+        for chunk in chunks.values():
+            chunk.release()  # the queue's reference: the hold has its own now
         out = [Received(hold, d, chunks[d.chunk]) for d in descs]
         for r in out:
             if r.ordering == "event":
@@ -1388,6 +1386,8 @@ class Channel:
                     raise ProtocolError(f"lease {lease_id} is already held")
                 if descs:
                     self._held.add(lease_id)
+                    for chunk in chunks.values():
+                        chunk.retain()  # mapped until received, whatever comes after (_make_received)
                     self._queue.append((kind, lease_id, descs, mapping, ordering, chunks))
                     if self._waiters:
                         self._state.notify_all()

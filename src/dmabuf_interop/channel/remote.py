@@ -222,7 +222,14 @@ class _Region:
         self.addr, self.size, self.device, self.mem = addr, size, device, mem
         self.is_host = mem == "DRAM"
 
-    def retire(self) -> None:  # the base channel calls this on retire / end; nothing is mapped here
+    # The base channel calls these on queueing, retire and end: nothing is mapped here.
+    def retain(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def retire(self) -> None:
         pass
 
 
@@ -353,7 +360,7 @@ class RemoteChannel(Channel):
         return self._own_pool
 
     def _make_received(self, lease_id: int, descs: list[ArrayDescriptor], stream: int,
-                       ordering: str | None = None, chunks: dict[int, Any] | None = None) -> list[Received]:
+                       ordering: str | None, chunks: dict[int, Any]) -> list[Received]:
         pool = self._recv_pool()
         blocks: list[Block] = []
         try:
