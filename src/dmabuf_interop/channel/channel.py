@@ -506,7 +506,9 @@ def release_all(items: Iterable[Received]) -> None:
 def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, Any] | list[Any]:
     """torch tensors for many :class:`Received` (a ``recv_many`` batch: its dict, or its list), in the
     same form: what :meth:`Received.as_tensor` gives for each, and with the same lifetime rules, but
-    with the per-batch work done once (a state dict of thousands of tensors, every step).
+    with the per-batch work done once (a state dict of thousands of tensors, every step). A device
+    batch: one ``torch.from_dlpack`` per chunk and dtype, then one ``Tensor.as_strided`` per item;
+    host items: ``as_tensor()`` each.
 
     Raises:
         InvalidArgumentError: an item is not a Received, or was released.
