@@ -667,3 +667,24 @@ def test_arrays_queued_before_the_end_stay_readable_after_it(addr: str, pool: Sh
     listener.close()
     cons.close()
     theirs.close()
+
+
+def test_a_large_batch_pauses_the_collector_and_leaves_it_as_it_was(addr: str) -> None:
+    from dmabuf_interop.channel.channel import BULK_ITEMS
+
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
+        listener, prod, cons = pair(addr, pool)
+        state = {f"p{i}": pool.empty(2, "uint8") for i in range(BULK_ITEMS + 1)}
+        for enabled in (True, False, True):
+            (gc.enable if enabled else gc.disable)()
+            try:
+                for _ in range(2):  # found, then sent again (remembered)
+                    lease = prod.send_many(state)
+                    batch = cons.recv_many(5)
+                    assert gc.isenabled() is enabled
+                    release_all(batch.values())
+                    lease.wait(5)
+            finally:
+                gc.enable()
+        for x in (cons, prod, listener):
+            x.close()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import operator
@@ -28,7 +30,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
@@ -277,12 +279,13 @@ class _BatchViews:
         bases: dict[tuple[int, str], Any] = {}
         out = []
         append = out.append
-        for r in items:
-            key, args = r.descriptor.view_plan  # key: (r._chunk.id, dtype)
-            base = bases.get(key)
-            if base is None:
-                base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
-            append(base.as_strided(*args))
+        with _bulk(len(items)):
+            for r in items:
+                key, args = r.descriptor.view_plan  # key: (r._chunk.id, dtype)
+                base = bases.get(key)
+                if base is None:
+                    base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
+                append(base.as_strided(*args))
         return out
 
 
@@ -461,6 +464,26 @@ class Received:
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<Received {self.dtype}{list(self.shape)} lease={self.lease_id} {state}>"
+
+
+#: Batches of at least this many items pause the garbage collector while they make their objects (:func:`_bulk`).
+BULK_ITEMS = 1024
+
+
+@contextlib.contextmanager
+def _bulk(items: int) -> Iterator[None]:
+    """Pause the cyclic garbage collector (``gc.disable``) while a batch of ``items`` makes an object or
+    more per item, all of which it keeps: a collection in between would only walk them (measured on a
+    19,000-item batch: a fifth to a third of its time). The collector is switched on again afterwards
+    only if it was on before; collections resume with the next allocations."""
+    if items < BULK_ITEMS or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _require(module: str) -> Any:
@@ -693,16 +716,17 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
     out = []
     append = out.append
     kinds = _SIG_KINDS
-    for a in arrays:
-        kind = kinds.get(type(a))
-        if kind == 1:
-            append((a.data_ptr(), a.shape, a.stride(), a.dtype))
-        elif kind == 2:
-            append((a.ctypes.data, a.shape, a.strides, a.dtype))
-        elif kind == 3:
-            append((a.ptr, a.shape, a.strides, a.dtype))
-        else:
-            return None
+    with _bulk(len(arrays)):
+        for a in arrays:
+            kind = kinds.get(type(a))
+            if kind == 1:
+                append((a.data_ptr(), a.shape, a.stride(), a.dtype))
+            elif kind == 2:
+                append((a.ctypes.data, a.shape, a.strides, a.dtype))
+            elif kind == 3:
+                append((a.ptr, a.shape, a.strides, a.dtype))
+            else:
+                return None
     return tuple(out)
 
 
@@ -1209,7 +1233,8 @@ class Channel:
         hold = _Hold(self, lease_id, list(chunks.values()), len(descs), stream, ordering)
         for chunk in chunks.values():
             chunk.release()  # the queue's reference: the hold has its own now
-        out = [Received(hold, d, chunks[d.chunk]) for d in descs]
+        with _bulk(len(descs)):
+            out = [Received(hold, d, chunks[d.chunk]) for d in descs]
         for r in out:
             if r.ordering == "event":
                 from .. import _driver as driver
