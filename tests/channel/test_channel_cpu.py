@@ -688,3 +688,144 @@ def test_a_large_batch_pauses_the_collector_and_leaves_it_as_it_was(addr: str) -
                 gc.enable()
         for x in (cons, prod, listener):
             x.close()
+
+
+def test_a_view_of_another_kind_at_the_same_address_is_not_taken_for_a_remembered_one(addr: str,
+                                                                                      pool: SharedPool) -> None:
+    from cuda.core.utils import StridedMemoryView
+
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(16, "float32")
+    a[:] = np.arange(16)
+
+    def sent(x) -> list:
+        lease = prod.send(x)
+        with cons.recv(5) as r:
+            out = r.as_array().tolist()
+        lease.wait(5)
+        return out
+
+    sent(StridedMemoryView.from_any_interface(pool.empty(3, "float32"), stream_ptr=-1))  # the type is known now
+    for _ in range(2):
+        assert sent(a[:2]) == [0.0, 1.0]  # remembered: NumPy strides are in bytes, (4,)
+    view = StridedMemoryView.from_any_interface(a[::4][:2], stream_ptr=-1)  # strides in items, (4,)
+    assert sent(view) == [0.0, 4.0]
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_arrays_of_another_pool_are_not_remembered(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=1 << 20) as other:
+        a = other.empty(4, "int64")
+        for _ in range(2):
+            lease = prod.send(a)
+            cons.recv(5).release()
+            lease.wait(5)
+        assert prod._memos == {}  # a remembered block would hold that pool
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_a_bad_stream_does_not_lose_the_array(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send(np.arange(3))
+    for bad in ("not a stream", object()):
+        with pytest.raises(InvalidArgumentError, match="stream"):
+            cons.recv(5, stream=bad)
+        with pytest.raises(InvalidArgumentError, match="stream"):
+            cons.recv_many(5, stream=bad)
+    with cons.recv(5) as r:
+        assert r.as_array().tolist() == [0, 1, 2]
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_close_drops_arrays_that_were_not_received_and_unmaps_their_chunks(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=1 << 20) as theirs:
+        cons.send(theirs.empty(1, "int64"))  # the consumer's background reader now queues what arrives
+        prod.recv(5).release()
+        lease = prod.send(np.arange(3))
+        deadline = time.monotonic() + 5
+        while not cons._queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (chunk,) = cons._queue[0][5].values()
+        cons.close()
+        assert chunk.refs == 0 and chunk.retired and chunk.buf.closed
+        with pytest.raises(PeerClosedError):
+            cons.recv(1)
+        lease.wait(5)
+        assert lease.reason in ("disconnected", "closed")
+    for x in (prod, listener):
+        x.close()
+
+
+def test_senders_in_two_threads_keep_their_leases(addr: str) -> None:
+    """One thread sends batches under ever new names (layouts come and go), another sends arrays
+    whose blocks are freed and allocated again (remembered placements die): every lease is released
+    by the consumer, none is completed by the producer alone."""
+    with SharedPool(chunk_bytes=1 << 22, max_bytes=1 << 26) as pool:
+        listener, prod, cons = pair(addr, pool)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        arrays = [pool.empty(4, "int64") for _ in range(64)]
+
+        consumed = threading.Event()  # set once the senders are done: the consumer takes everything till then
+
+        def consume() -> None:
+            while not consumed.is_set():
+                try:
+                    got = cons.recv_many(0.2)
+                except WaitTimeoutError:
+                    continue
+                release_all(got.values() if isinstance(got, dict) else got)
+
+        def batches() -> None:
+            i = 0
+            while not stop.is_set():
+                lease = prod.send_many({f"k{i % 64}": arrays[i % 64]})
+                i += 1
+                if i % 32 == 0:
+                    lease.wait(5)
+                    assert lease.reason == "released", lease.reason
+
+        def singles() -> None:
+            while not stop.is_set():
+                a = pool.empty(4, "int64")
+                for _ in range(2):
+                    lease = prod.send(a)
+                    lease.wait(5)
+                    assert lease.reason == "released", lease.reason
+                del a
+                gc.collect(0)
+
+        def run(fn):
+            def body() -> None:
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+                    stop.set()
+            return threading.Thread(target=body, daemon=True)
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often: the interleavings that break shared state
+        try:
+            reader = threading.Thread(target=consume, daemon=True)
+            senders = [run(f) for f in (batches, singles)]
+            for t in (reader, *senders):
+                t.start()
+            stop.wait(3)
+            stop.set()
+            for t in senders:
+                t.join(10)
+            consumed.set()
+            reader.join(10)
+        finally:
+            sys.setswitchinterval(old)
+        assert not errors, errors
+        assert not prod.closed and not cons.closed
+        for x in (cons, prod, listener):
+            x.close()

@@ -32,6 +32,7 @@ def test_good_descriptor_round_trips() -> None:
     ("chunk", True, "must be an integer"),
     ("chunk", -1, "outside"),
     ("block_bytes", 1.5, "must be an integer"),
+    ("block_offset", 260, "not a multiple of 256"),
     ("shape", [4, True], "expected integers"),
     ("strides", [-24, 8], "expected integers"),
     ("strides", [24, 4], "multiples"),

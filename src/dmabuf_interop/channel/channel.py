@@ -724,7 +724,7 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
             elif kind == 2:
                 append((a.ctypes.data, a.shape, a.strides, a.dtype))
             elif kind == 3:
-                append((a.ptr, a.shape, a.strides, a.dtype))
+                append((3, a.ptr, a.shape, a.strides, a.dtype))  # strides in items: never equal to NumPy's
             else:
                 return None
     return tuple(out)
@@ -830,6 +830,9 @@ class Channel:
             self._send_locked(block.chunk.describe(), fds)
 
     def _retire_chunk(self, chunk_id: int) -> None:
+        with self._send_lock:  # placements in the chunk are gone
+            for m in [m for m in self._memos.values() if any(b.chunk.id == chunk_id for b in m.heads)]:
+                self._forget(m)
         if chunk_id in self._announced:
             self._announced.discard(chunk_id)
             try:
@@ -1042,7 +1045,8 @@ class Channel:
                     f[3] = None  # from here on _place owns it
                     lent, off, shape, strides, dtype, _ = self._place(src, itemsize, block, h, timeout)
                     placed.append((name, lent, off, shape, strides, dtype))
-                    zero_copy = zero_copy and lent is block and type(lent) is Block
+                    # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
+                    zero_copy = zero_copy and lent is block and type(lent) is Block and lent.pool is self.pool
                 dev_pool = next((p[1].pool for p in placed if not p[1].pool.is_host), None)
                 if zero_copy:
                     memo = _Memo(names, sigs, placed, dev_pool, batch is not None)
@@ -1080,9 +1084,6 @@ class Channel:
         try:
             if batch is None:
                 self._send({"kind": "array", "lease": lease.id, "desc": _wire_descs(placed, order, ev64, meta)[0]})
-                if memo is not None and again is None:
-                    with self._send_lock:
-                        self._remember(memo, None)
             else:
                 self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta, memo)
         except BaseException:
@@ -1090,6 +1091,9 @@ class Channel:
                 self._leases.pop(lease.id, None)
             lease._complete("closed")
             raise
+        if batch is None and memo is not None and again is None:  # sent: remember it (a batch's, with its layout)
+            with self._send_lock:
+                self._remember(memo, None)
         return lease
 
     def _lend_again(self, names: list[str | None], arrays: list[Any],
@@ -1107,13 +1111,15 @@ class Channel:
             if not pool._ref_live(blocks):  # a block was freed (its array dropped) since
                 for p, bl in done:
                     p._unref_many(bl)
-                self._forget(memo)
+                with self._send_lock:  # _memos changes only under the send lock
+                    self._forget(memo)
                 return None, sigs, None
             done.append((pool, blocks))
         return memo.placed, sigs, memo
 
     def _remember(self, memo: "_Memo", layout: int | None) -> None:
-        """``memo`` was sent; a batch's ``layout`` is known to the peer now (the caller holds the send lock)."""
+        """``memo`` was sent; a batch's ``layout`` is known to the peer now. The caller holds the send
+        lock, as for every change of ``_memos``."""
         memo.layout = layout
         self._memos[memo.key] = memo
         if len(self._memos) > MAX_MEMOS:
@@ -1263,16 +1269,18 @@ class Channel:
             ProtocolError: the peer broke the protocol (the connection was closed).
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
         """
+        h = _stream_handle(stream)  # before the message is taken: a bad stream must not lose it
         _, lease_id, descs, _, ordering, chunks = self._next(timeout, want_batch=False)
-        return self._make_received(lease_id, descs, _stream_handle(stream), ordering, chunks)[0]
+        return self._make_received(lease_id, descs, h, ordering, chunks)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None) -> dict[str, Received] | list[Received]:
         """The next ``send_many`` batch: a dict by name (for a mapping) or a list; a single array as a list of one.
 
         Raises: as :meth:`recv`.
         """
+        h = _stream_handle(stream)  # before the message is taken: a bad stream must not lose it
         kind, lease_id, descs, mapping, ordering, chunks = self._next(timeout, want_batch=True)
-        out = self._make_received(lease_id, descs, _stream_handle(stream), ordering, chunks)
+        out = self._make_received(lease_id, descs, h, ordering, chunks)
         if len(out) > 1 and out[0].device >= 0:
             views = _BatchViews()
             for r in out:
@@ -1503,6 +1511,7 @@ class Channel:
     def _end(self) -> None:
         """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket."""
         with self._send_lock:
+            self._memos.clear()
             with self._state:
                 self._eof = True
                 leases = list(self._leases.values())
@@ -1525,7 +1534,8 @@ class Channel:
         """Flush pending releases, say ``bye``, and end the connection (idempotent).
 
         Leases still out complete with reason ``"closed"``; arrays still held
-        here stay readable until released. Opened IPC events are destroyed
+        here stay readable until released; arrays that arrived and were not
+        received are dropped. Opened IPC events are destroyed
         (``cuEventDestroy``).
         """
         if self._closed:
@@ -1556,6 +1566,12 @@ class Channel:
                     self._read_lock.release()
         elif threading.current_thread() is not reader:
             reader.join(timeout)
+        with self._state:  # arrays never received: this end will not take them now
+            dropped = list(self._queue)
+            self._queue.clear()
+        for entry in dropped:
+            for chunk in entry[5].values():
+                chunk.release()  # the queue's reference (_handle)
         if self._opened_events:
             from .. import _driver as driver
 

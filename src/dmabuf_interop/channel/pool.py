@@ -25,12 +25,12 @@ import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 from ..errors import InvalidArgumentError, PoolExhaustedError
-from .protocol import DTYPES
+from .protocol import BLOCK_ALIGN, DTYPES
 
 __all__ = ["ALIGN", "SharedPool", "Block", "EventPool"]
 
 #: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
-ALIGN = 256
+ALIGN = BLOCK_ALIGN
 
 #: Every open pool of this process (to recognise an array that already lives in one).
 LIVE_POOLS: "weakref.WeakSet[SharedPool]" = weakref.WeakSet()

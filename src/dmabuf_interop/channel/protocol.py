@@ -50,6 +50,8 @@ MAX_LAYOUTS = 16
 MAX_PARTS = 253
 #: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
 MAX_INT = 1 << 62
+#: Every block starts at a multiple of this many bytes of its chunk (``pool.ALIGN`` is this value).
+BLOCK_ALIGN = 256
 
 #: dtype names accepted on the wire -> itemsize in bytes. NumPy ``dtype.name`` spellings;
 #: byte order is always little-endian (x86-64 and aarch64 hosts, CUDA devices).
@@ -210,6 +212,8 @@ class ArrayDescriptor:
                        ("byte_offset", byte_offset)):
             if type(v) is not int or not 0 <= v <= MAX_INT:
                 _int(obj, key)
+        if block_offset % BLOCK_ALIGN:
+            raise ProtocolError(f"block_offset {block_offset} is not a multiple of {BLOCK_ALIGN}")
         shape, strides = obj["shape"], obj["strides"]
         for key, v in (("shape", shape), ("strides", strides)):
             if type(v) is not list or len(v) > MAX_NDIM or not all(type(x) is int and 0 <= x <= MAX_INT for x in v):

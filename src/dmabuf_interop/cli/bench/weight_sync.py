@@ -416,8 +416,8 @@ def _run_ours(cfg: dict[str, Any], tmp: str, env: dict[str, str] | None = None) 
         engine = _spawn("engine", path)
         procs.append(engine)
         results = [_line(engine, cfg["timeout"] * 4), _line(trainer, cfg["timeout"] * 4)]
-    finally:
-        _finish(procs, cfg["timeout"], results or [{"status": "error"}])
+    finally:  # the processes in the order of their results: the engine's first
+        _finish(list(reversed(procs)), cfg["timeout"], results or [{"status": "error"}])
     status, reason = _merge(results)
     if status != "ok":
         return {"status": status, "reason": reason}
