@@ -470,20 +470,35 @@ class Received:
 BULK_ITEMS = 1024
 
 
+class _GcPause:
+    """The cyclic garbage collector paused while any thread is inside a large batch (:func:`_bulk`):
+    off when the first enters, on again when the last leaves, and only if it was on before."""
+
+    lock = threading.Lock()
+    depth = 0
+    was_on = False
+
+
 @contextlib.contextmanager
 def _bulk(items: int) -> Iterator[None]:
     """Pause the cyclic garbage collector (``gc.disable``) while a batch of ``items`` makes an object or
     more per item, all of which it keeps: a collection in between would only walk them (measured on a
-    19,000-item batch: a fifth to a third of its time). The collector is switched on again afterwards
-    only if it was on before; collections resume with the next allocations."""
-    if items < BULK_ITEMS or not gc.isenabled():
+    19,000-item batch: a fifth to a third of its time). Collections resume with the next allocations."""
+    if items < BULK_ITEMS:
         yield
         return
-    gc.disable()
+    with _GcPause.lock:
+        if _GcPause.depth == 0:
+            _GcPause.was_on = gc.isenabled()
+            gc.disable()
+        _GcPause.depth += 1
     try:
         yield
     finally:
-        gc.enable()
+        with _GcPause.lock:
+            _GcPause.depth -= 1
+            if _GcPause.depth == 0 and _GcPause.was_on:
+                gc.enable()
 
 
 def _require(module: str) -> Any:
