@@ -6,8 +6,9 @@ CUDA does not survive ``fork()``) are connected by a channel
 :class:`~dmabuf_interop.channel.SharedPool`. Each step the trainer adds 1 to
 every parameter (viewed as int16: the new version), computes a checksum per
 tensor (the int64 sum of a strided sample of at most :data:`SAMPLE` elements)
-into a pool array that travels in the same batch, and sends the whole state dict
-as ONE ``send_many``. Variants:
+into a pool array that travels with the state dict, and sends the state dict as
+a few ``send_many`` batches in order (:func:`_buckets`), which the engine uses
+as they arrive. Variants:
 
 =========  =================================================================
 hand-off   the engine reads the trainer's tensors in place under the lease and
