@@ -476,6 +476,7 @@ def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(a
         values, _ = round_trip(prod, cons, state, {"step": step})
         assert (values["w"] == step).all() and (values["w2"] == step).all() and (values["b"] == step / 2).all()
         assert pool.used_bytes == live  # every lease gave its blocks back
+        assert len(prod._memos) == 1  # remembered from the first send on
     (memo,) = prod._memos.values()
     assert memo.layout is not None and len(prod._layouts_sent) == 1
     # A new array where the old one was (its block freed, another allocated at the same address):
@@ -829,3 +830,43 @@ def test_senders_in_two_threads_keep_their_leases(addr: str) -> None:
         assert not prod.closed and not cons.closed
         for x in (cons, prod, listener):
             x.close()
+
+
+_VIEW_AFTER_END = """
+import os, sys, tempfile, threading
+import numpy as np
+from dmabuf_interop.channel import SharedPool, connect, listen
+addr = os.path.join(tempfile.mkdtemp(), "s")
+pool = SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20)
+lst = listen(addr, pool=pool)
+box = {}
+t = threading.Thread(target=lambda: box.setdefault("c", connect(addr, timeout=10)))
+t.start()
+prod = lst.accept(10)
+t.join()
+cons = box["c"]
+a = pool.empty(1000, "int64")
+a[:] = np.arange(1000)
+prod.send(a)
+with cons.recv(5) as r:
+    view = r.as_array()
+if sys.argv[1] == "consumer":
+    cons.close()
+else:
+    prod.close(); pool.close(); lst.close()
+    try:
+        cons.recv(5)
+    except Exception as exc:
+        print(type(exc).__name__)
+print(int(view.sum()))  # released, and the connection is over: stale, but still mapped
+del view
+cons.close()
+"""
+
+
+@pytest.mark.parametrize("who", ["consumer", "producer"])
+def test_a_view_read_after_release_and_the_end_reads_stale_bytes_not_unmapped_memory(who: str) -> None:
+    res = subprocess.run([sys.executable, "-c", _VIEW_AFTER_END, who], capture_output=True, text=True,
+                         timeout=60, env=env_with_src())
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])  # -11 was a SIGSEGV
+    assert res.stdout.split()[-1] == "499500"

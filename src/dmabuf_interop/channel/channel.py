@@ -181,6 +181,21 @@ class _ImportedChunk:
             self.buf.close()
 
 
+class _ChunkRef:
+    """One reference on an imported chunk, held by a view (a NumPy array, a DLPack buffer) for as long as
+    the view lives: the mapping outlives an early ``release()`` or the end of the connection, so a view
+    read after them shows stale bytes instead of unmapped memory."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: Any) -> None:
+        chunk.retain()
+        self.chunk = chunk
+
+    def __del__(self) -> None:
+        self.chunk.release()
+
+
 def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[_ImportedChunk], inline: bool = False) -> None:
     ch = channel_ref()
     if ch is not None:
@@ -261,7 +276,8 @@ class _BatchViews:
 
             from ..buffers import mapped_buffer
 
-            raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, chunk.device, keep),
+            owner = (keep, _ChunkRef(chunk))
+            raw = StridedMemoryView.from_buffer(mapped_buffer(chunk.buf.ptr, chunk.size, chunk.device, owner),
                                                 (chunk.size,), (1,), dtype=np.dtype("uint8"))
             base = torch.from_dlpack(raw).view(dtype)
             self.bases[(chunk.id, dtype)] = weakref.ref(base)
@@ -381,7 +397,7 @@ class Received:
         d = self.descriptor
         if self.device < 0:
             dt = numpy_dtype(d.dtype)
-            keep = (self, self._chunk.buf._mapping.map)
+            keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
             return np.asarray(HostView(self._ptr, d.shape, d.strides, dt.str, keep))
         return self._device_view(np.dtype("uint16") if d.dtype == "bfloat16" else np.dtype(d.dtype))
 
@@ -391,7 +407,7 @@ class Received:
         from ..buffers import mapped_buffer
 
         d = self.descriptor
-        buf = mapped_buffer(self._ptr, self._span(), self.device, self)
+        buf = mapped_buffer(self._ptr, self._span(), self.device, (self, _ChunkRef(self._chunk)))
         return StridedMemoryView.from_buffer(buf, d.shape, tuple(s // d.itemsize for s in d.strides), dtype=dt)
 
     def as_tensor(self) -> Any:
@@ -415,7 +431,7 @@ class Received:
 
         if d.dtype == "bfloat16":
             if self.device < 0:
-                keep = (self, self._chunk.buf._mapping.map)
+                keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
                 raw = np.asarray(HostView(self._ptr, d.shape, d.strides, "<i2", keep))
                 return torch.from_numpy(raw).view(torch.bfloat16)
             return torch.from_dlpack(self._device_view(np.dtype("int16"))).view(torch.bfloat16)
@@ -1050,7 +1066,7 @@ class Channel:
                 placed = again  # referenced again by _lend_again; the except below gives them back
                 dev_pool = memo.dev_pool
             else:
-                zero_copy = sigs is not None
+                zero_copy = True
                 for arr in arrays:
                     found.append(self._find(arr))
                 if self.share_segments:
@@ -1063,7 +1079,9 @@ class Channel:
                     # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
                     zero_copy = zero_copy and lent is block and type(lent) is Block and lent.pool is self.pool
                 dev_pool = next((p[1].pool for p in placed if not p[1].pool.is_host), None)
-                if zero_copy:
+                if zero_copy and sigs is None:  # the arrays' types are known now (_inspect met them)
+                    sigs = _signatures(arrays)
+                if zero_copy and sigs is not None:
                     memo = _Memo(names, sigs, placed, dev_pool, batch is not None)
             event = events = None
             order = "none"

@@ -251,11 +251,19 @@ class _LocalBlock:
         self._mapping = (types.SimpleNamespace(map=block.chunk.host_keepalive(block.offset, block.size))
                          if block.pool.is_host else None)
 
+        self._refs = 0  # the hold's and each view's (channel._ChunkRef): the block goes back at 0
+        self._lock = threading.Lock()
+
     def retain(self) -> None:
-        pass
+        with self._lock:
+            self._refs += 1
 
     def release(self) -> None:
-        self.block.pool._unref(self.block)
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.block.pool._unref(self.block)
 
 
 class RemoteChannel(Channel):
