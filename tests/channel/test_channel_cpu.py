@@ -870,3 +870,25 @@ def test_a_view_read_after_release_and_the_end_reads_stale_bytes_not_unmapped_me
                          timeout=60, env=env_with_src())
     assert res.returncode == 0, (res.returncode, res.stderr[-2000:])  # -11 was a SIGSEGV
     assert res.stdout.split()[-1] == "499500"
+
+
+def test_misuse_is_refused_with_typed_errors(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel import as_tensors
+
+    listener, prod, cons = pair(addr, pool)
+    with pytest.raises(InvalidArgumentError, match="use send"):
+        prod.send_many(np.arange(6).reshape(2, 3))  # not a batch of its rows
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        prod.send(np.arange(3), timeout=-1)
+    with pytest.raises(InvalidArgumentError, match=r"\.\.\. \(str\)"):
+        prod.send_many({"k" * 100_000: np.arange(3)})  # the name is cut short in the message
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        connect(addr, timeout=-1)
+    lease = prod.send(np.arange(3))
+    r = cons.recv(5)
+    with pytest.raises(InvalidArgumentError, match="as_tensor"):
+        as_tensors(r)
+    r.release()
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()

@@ -32,6 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from .._time import deadline_after
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
@@ -565,9 +566,12 @@ def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, 
     host items: ``as_tensor()`` each.
 
     Raises:
-        InvalidArgumentError: an item is not a Received, or was released.
+        InvalidArgumentError: not a dict, list or tuple; an item is not a Received, or was released.
         NotSupportedError: torch is not installed.
     """
+    if not isinstance(items, (Mapping, list, tuple)):
+        raise InvalidArgumentError(f"as_tensors takes a recv_many batch (a dict or a list of Received), got "
+                                   f"{type(items).__name__}: use as_tensor() for one")
     names = list(items.keys()) if isinstance(items, Mapping) else None
     rs = list(items.values()) if isinstance(items, Mapping) else list(items)
     # Checked with C-level maps: a state dict has thousands of items, every step.
@@ -999,8 +1003,8 @@ class Channel:
             a :class:`Lease`, done when the peer has released the block.
 
         Raises:
-            InvalidArgumentError: an unsupported dtype, negative strides in a zero-copy
-                array, meta too large or not JSON, no pool to copy into.
+            InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
+                timeout, no pool to copy into.
             PoolExhaustedError: no room within ``timeout``.
             PeerClosedError: the peer has gone.
         """
@@ -1015,19 +1019,23 @@ class Channel:
         the lease is done when the peer has released every item.
 
         Raises:
-            InvalidArgumentError: as :meth:`send`; also an empty batch, more than
+            InvalidArgumentError: as :meth:`send`; also not a mapping, list or tuple, an empty batch, more than
                 :data:`~.protocol.MAX_ITEMS` arrays, or a mapping key that is not a str (of at
                 most 4096 characters): the peer would refuse the message and end the channel.
         """
         names: list[str | None]
+        if not isinstance(arrays, (Mapping, list, tuple)):  # an array would go as a batch of its rows
+            raise InvalidArgumentError(f"send_many takes a mapping of name -> array, or a list or tuple of arrays, "
+                                       f"got {type(arrays).__name__}: use send() for one array")
         if isinstance(arrays, Mapping):
             names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
             # Checked with C-level maps: a state dict has thousands of keys, sent every step.
             if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
                 bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
                 if bad is not None:  # (a str subclass passes)
+                    shown = repr(bad) if len(repr(bad)) <= 80 else repr(bad)[:77] + "..."
                     raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
-                                               f"got {bad!r}")
+                                               f"got {shown} ({type(bad).__name__})")
         else:
             arrs, kind = list(arrays), "list"
             names = [None] * len(arrs)
@@ -1054,6 +1062,7 @@ class Channel:
         ordering = ordering or self.ordering
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+        deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._eof or self._closed:
             raise PeerClosedError("the channel is closed") from self._error
         h = _stream_handle(stream)

@@ -21,6 +21,7 @@ import time
 import weakref
 from typing import Any, Iterable
 
+from .._time import deadline_after
 from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
 from .channel import Channel, PeerInfo
 from .handshake import ListenerBase, hello, recv_hello, refuse
@@ -285,6 +286,7 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
     if _remote(address, remote):
         from .remote import connect_remote
 
