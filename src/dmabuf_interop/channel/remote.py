@@ -250,7 +250,6 @@ class _LocalBlock:
         self.device = -1 if block.pool.is_host else block.pool.device
         self._mapping = (types.SimpleNamespace(map=block.chunk.host_keepalive(block.offset, block.size))
                          if block.pool.is_host else None)
-
         self._refs = 0  # the hold's and each view's (channel._ChunkRef): the block goes back at 0
         self._lock = threading.Lock()
 
