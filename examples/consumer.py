@@ -6,14 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
-import time
 
 import numpy as np
 
 from dmabuf_interop.channel import connect
-from dmabuf_interop.errors import DmaBufError, SyscallError
+from dmabuf_interop.errors import DmaBufError
 
 
 def main() -> int:
@@ -22,17 +20,8 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
-    deadline = time.monotonic() + args.timeout
     try:
-        while True:  # the producer may not be listening yet
-            try:
-                ch = connect(args.address, timeout=args.timeout)
-                break
-            except SyscallError as exc:  # ENOENT / ECONNREFUSED: nothing listens there yet
-                if time.monotonic() > deadline or exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
-                    raise
-                time.sleep(0.05)
-        with ch:
+        with connect(args.address, timeout=args.timeout, wait=True) as ch:  # the producer may start later
             bad = 0
             for _ in range(args.count):
                 with ch.recv(args.timeout) as r:

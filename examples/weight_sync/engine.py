@@ -12,8 +12,6 @@ variant); an engine that reads the trainer's tensors in place keeps the
 from __future__ import annotations
 
 import argparse
-import errno
-import time
 from typing import Any, Iterable
 
 
@@ -28,7 +26,6 @@ def load_weights(params: dict[str, Any], weights: Iterable[tuple[str, Any]], hos
 
 def main() -> None:
     from dmabuf_interop.channel import as_tensors, connect, release_all
-    from dmabuf_interop.errors import SyscallError
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", default="/tmp/weights.sock")
@@ -46,16 +43,8 @@ def main() -> None:
             raise SystemExit("engine: torch sees no CUDA GPU here: run with --host (host memory, NumPy)")
         torch.cuda.set_device(args.device)
         stream = torch.cuda.Stream()
-    deadline = time.monotonic() + 60
-    while True:  # the trainer may not be listening yet
-        try:
-            ch = connect(args.address, timeout=60, device=None if args.host else args.device)
-            break
-        except SyscallError as exc:  # ENOENT / ECONNREFUSED: nothing listens there yet
-            if time.monotonic() > deadline or exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
-                raise
-            time.sleep(0.05)
-    with ch:
+    # wait=True: the trainer may start later
+    with connect(args.address, timeout=60, device=None if args.host else args.device, wait=True) as ch:
         for _ in range(args.steps):
             batch = ch.recv_many(timeout=300, stream=stream)  # the stream waits for the trainer's writes
             version = next(iter(batch.values())).meta["version"]

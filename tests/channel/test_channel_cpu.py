@@ -892,3 +892,25 @@ def test_misuse_is_refused_with_typed_errors(addr: str, pool: SharedPool) -> Non
     lease.wait(5)
     for x in (cons, prod, listener):
         x.close()
+
+
+def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.errors import SyscallError
+
+    with pytest.raises(SyscallError):  # by default: at once
+        connect(addr, timeout=5)
+    with pytest.raises(WaitTimeoutError, match="nothing listened"):
+        connect(addr, timeout=0.2, wait=True)
+    get = in_thread(lambda: connect(addr, timeout=10, wait=True))
+    time.sleep(0.3)
+    listener = listen(addr, pool=pool)
+    prod = listener.accept(10)
+    cons = get()
+    lease = prod.send(np.arange(3))
+    with cons.recv(5) as r:
+        assert r.as_array().tolist() == [0, 1, 2]
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+    with pytest.raises(InvalidArgumentError, match="local"):
+        connect("tcp://127.0.0.1:1", timeout=1, wait=True)

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Iterable
 
-from .._time import deadline_after
+from .._time import deadline_after, remaining
 from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
 from .channel import Channel, PeerInfo
 from .handshake import ListenerBase, hello, recv_hello, refuse
@@ -258,10 +258,32 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
                     ordering=ordering, device=device, hello_overrides=hello_overrides)
 
 
+def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: float | None,
+                    wait: bool) -> socket.socket:
+    """A connected AF_UNIX socket, ``wait``: retried while nothing listens (see :func:`connect`)."""
+    while True:
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise SyscallError("socket(AF_UNIX)", exc) from exc
+        try:
+            sock.settimeout(timeout)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:  # ENOENT / ECONNREFUSED: nothing listens on that address (yet)
+            sock.close()
+            left = remaining(deadline)
+            if not wait or exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                raise SyscallError(f"connect({str(address)!r})", exc) from exc
+            if left is not None and left <= 0:
+                raise WaitTimeoutError(f"nothing listened at {str(address)!r} within {timeout} s") from exc
+            time.sleep(0.05 if left is None else min(0.05, left))
+
+
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
             device: int | None = None, ordering: str = "event", allow_uids: Iterable[int] | None = None,
             allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None,
-            **remote: Any) -> Channel:
+            wait: bool = False, **remote: Any) -> Channel:
     """Connect to a :func:`listen` address and complete the handshake.
 
     ``"tcp://HOST:PORT"`` connects to a listener on another host (NIXL; ``token=`` /
@@ -277,31 +299,28 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         allow_uids, allow_gids: who may be the listener (``SO_PEERCRED``; default this
             process's effective uid), so that a squatter on an abstract name is refused.
         hello_overrides: as for :func:`listen`.
+        wait: while nothing listens at a local address (``ENOENT``, ``ECONNREFUSED``), try again
+            every 50 ms within ``timeout``: for a consumer started before its producer.
 
     Raises:
         SyscallError: ``socket`` or ``connect`` failed (``ENOENT``, ``ECONNREFUSED``: nobody listens).
         PeerRefusedError: the listener refused us (``str()`` has its reason), or we refused it.
-        WaitTimeoutError: no hello within ``timeout``.
+        WaitTimeoutError: no hello within ``timeout``; with ``wait``, nothing listened within it.
+        InvalidArgumentError: ``wait`` with a ``tcp://`` address.
         ProtocolError: a malformed hello. PeerClosedError: the listener left during the handshake.
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
-    deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
+    deadline = deadline_after(timeout)  # also checks it: a number of seconds >= 0, or None
     if _remote(address, remote):
+        if wait:
+            raise InvalidArgumentError("wait= is for local addresses; a tcp:// connect fails at once")
         from .remote import connect_remote
 
         return connect_remote(address, timeout=timeout, pool=pool, device=device, **remote)
     addr, _ = _sockaddr(address)
+    sock = _connect_socket(addr, address, deadline, timeout, wait)
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    except OSError as exc:
-        raise SyscallError("socket(AF_UNIX)", exc) from exc
-    try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(addr)
-        except OSError as exc:  # ENOENT / ECONNREFUSED: nothing listens on that address (yet)
-            raise SyscallError(f"connect({str(address)!r})", exc) from exc
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
         try:
