@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .._time import deadline_after
+from .._time import deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
@@ -1239,8 +1239,8 @@ class Channel:
                         raise type(err)(str(err)) from err
                     raise PeerClosedError("the peer closed the channel" if not self._closed
                                           else "the channel is closed")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                expired = remaining is not None and remaining <= 0
+                left = remaining(deadline)
+                expired = left is not None and left <= 0
                 if expired and (drained or self._reader is not None):
                     raise WaitTimeoutError(f"no array from the peer within {timeout} s")
                 if self._reader is not None or not self._read_lock.acquire(blocking=False):
@@ -1249,7 +1249,7 @@ class Channel:
                         raise WaitTimeoutError(f"no array from the peer within {timeout} s")
                     self._waiters += 1
                     try:
-                        self._state.wait(remaining)
+                        self._state.wait(left)
                     finally:
                         self._waiters -= 1
                     continue
@@ -1404,7 +1404,7 @@ class Channel:
         if self._eof:
             return True
         try:
-            msg, fds = recv_frame(self._sock, None if deadline is None else max(deadline - time.monotonic(), 0))
+            msg, fds = recv_frame(self._sock, remaining(deadline))
         except WaitTimeoutError:
             return False
         except (DmaBufError, OSError, ValueError) as exc:

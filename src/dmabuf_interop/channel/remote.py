@@ -35,6 +35,7 @@ import urllib.parse
 import weakref
 from typing import Any
 
+from .._time import deadline_after, remaining
 from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError, ProtocolError,
                       SyscallError, TransferError, WaitTimeoutError)
 from .auth import authenticate_connector, authenticate_listener, load_secret
@@ -532,10 +533,10 @@ class RemoteChannel(Channel):
 def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listener: bool, pool: SharedPool | None,
                device: int | None, xfer_timeout: float) -> RemoteChannel:
     """Authenticate, exchange hello and NIXL metadata; the listener speaks first at each step."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = deadline_after(timeout)
 
     def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+        return remaining(deadline)
 
     (authenticate_listener if listener else authenticate_connector)(sock, secret, left())
     mine = hello(None, visible_gpu_uuids())
@@ -612,8 +613,8 @@ class RemoteListener(ListenerBase):
 
     def _accept_one(self, conn: socket.socket, deadline: float | None) -> RemoteChannel:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return _handshake(conn, self._secret, left, True, self.pool, self._device, self._xfer_timeout)
+        return _handshake(conn, self._secret, remaining(deadline), True, self.pool, self._device,
+                          self._xfer_timeout)
 
     def close(self) -> None:
         """Stop listening (idempotent)."""

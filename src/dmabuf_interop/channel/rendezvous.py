@@ -152,8 +152,7 @@ class Listener(ListenerBase):
             raise PeerRefusedError(f"refused a connection: {reason}")
         mine = hello(self._hello_overrides, visible_gpu_uuids())
         send_frame(conn, mine)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        theirs = recv_hello(conn, remaining)
+        theirs = recv_hello(conn, remaining(deadline))
         why = _check_hello(mine, theirs)
         if why is not None:
             refuse(conn, why)
