@@ -131,9 +131,8 @@ class Lease:
         try:
             blocks = self._blocks
             pool = blocks[0].pool if blocks else None
-            unref_many = getattr(pool, "_unref_many", None)
-            if unref_many is not None and all(b.pool is pool for b in blocks):
-                unref_many(blocks)  # one hold of the pool's lock for a whole state dict
+            if blocks and all(b.pool is pool for b in blocks):
+                pool._unref_many(blocks)  # one hold of the pool's lock for a whole state dict
             else:
                 for b in blocks:
                     b.pool._unref(b)

@@ -392,7 +392,7 @@ class SharedPool:
             freed = False
             for block in blocks:
                 block.refs -= 1
-                if block.refs <= 0 and block.chunk.blocks.get(block.offset) is block:
+                if block.refs <= 0 and block.live:
                     block.chunk.remove(block)
                     block.chunk.free.free(block.offset, block.size)
                     freed = True

@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .. import _driver as driver
 from ..errors import CudaError, InvalidArgumentError
@@ -116,7 +116,7 @@ class SegmentBlock:
 
 class Segments:
     """The segment chunks of one device in this process (see the module docstring); plays a pool's part
-    for leases: ``is_host``, ``device``, ``events``, ``_unref``, ``_register_channel``."""
+    for leases: ``is_host``, ``device``, ``events``, ``_unref``, ``_unref_many``, ``_register_channel``."""
 
     is_host = False
 
@@ -135,15 +135,21 @@ class Segments:
             return len(self._chunks)
 
     def _unref(self, block: SegmentBlock) -> None:
-        """The lease is over: torch may reuse the tensor's memory; a stale chunk retires once idle, in a
+        self._unref_many((block,))
+
+    def _unref_many(self, blocks: Iterable[SegmentBlock]) -> None:
+        """The leases are over: torch may reuse the tensors' memory; a stale chunk retires once idle, in a
         thread of its own (this runs in a channel's reader, which must not wait on other channels)."""
-        block.keep = None
-        chunk = block.chunk
+        idle_stale: list[SegmentChunk] = []
         with self._lock:
-            chunk.refs -= 1
-            idle_stale = chunk.stale and chunk.refs == 0
+            for block in blocks:
+                block.keep = None
+                chunk = block.chunk
+                chunk.refs -= 1
+                if chunk.stale and chunk.refs == 0:
+                    idle_stale.append(chunk)
         if idle_stale:
-            threading.Thread(target=self._retire, args=([chunk],), name="dmabuf-interop-segment-retire",
+            threading.Thread(target=self._retire, args=(idle_stale,), name="dmabuf-interop-segment-retire",
                              daemon=True).start()
 
     def _register_channel(self, channel: Any) -> None:
