@@ -42,8 +42,9 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
 
 def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
     """Receive one message and the fds on it, if any (at most :data:`.protocol.MAX_PARTS`; ``recvmsg``
-    with ``MSG_CMSG_CLOEXEC``); the caller owns the fds. ``timeout`` bounds the wait for the message to begin; once begun, the rest has
-    :data:`REST_TIMEOUT` seconds, so a short ``timeout`` never cuts a large message in two.
+    with ``MSG_CMSG_CLOEXEC``); the caller owns the fds. ``timeout`` bounds the wait for the message
+    to begin; once begun, the rest has :data:`REST_TIMEOUT` seconds, so a short ``timeout`` never
+    cuts a large message in two.
 
     Raises:
         PeerClosedError: EOF. WaitTimeoutError: nothing within ``timeout`` seconds, or the rest of a

@@ -174,11 +174,7 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         handle = driver.vmm_import_posix_fd(raw)
         tx.push(driver.vmm_release, handle)
         owner = driver.vmm_allocation_device(handle)
-        if not 0 <= owner < driver.device_count():  # the driver's location for a GPU it hides from us
-            raise NotSupportedError(driver.invisible_gpu_text(device_uuid or "holding this memory"))
-        if owner != device and not driver.can_access_peer(device, owner):
-            raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
-                                    f"device {owner}")
+        _check_reachable(owner, device, device_uuid or "holding this memory")
         gran = driver.vmm_granularity(owner)
         map_size = export_size if export_size is not None else _round_up(offset + size, gran)
         ptr = driver.vmm_reserve(map_size, gran)
@@ -188,6 +184,20 @@ def import_posix_fd(fd: int | OwnedFd, size: int, device: int = 0, offset: int =
         driver.vmm_set_access(ptr, map_size, [device])
         return ImportedBuffer(mechanism="posix-fd", ptr=ptr + offset, size=size, device=device,
                               cleanups=tx.commit())
+
+
+def _check_reachable(owner: int, device: int, gpu: str) -> None:
+    """Refuse memory on ``owner`` that ``device`` cannot map: a GPU this process cannot see (the
+    driver's location for one it hides; ``gpu`` names it in the message) or one without peer access.
+
+    Raises:
+        NotSupportedError: either case.
+    """
+    if not 0 <= owner < driver.device_count():
+        raise NotSupportedError(driver.invisible_gpu_text(gpu))
+    if owner != device and not driver.can_access_peer(device, owner):
+        raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
+                                f"device {owner}")
 
 
 def _handle_fd(fd: int | OwnedFd) -> int:
@@ -242,11 +252,7 @@ def import_posix_fd_parts(fds: Sequence[int | OwnedFd], sizes: Sequence[int], de
         if len(owners) != 1:
             raise InvalidArgumentError(f"the parts lie on devices {sorted(owners)}, not one")
         owner = owners.pop()
-        if not 0 <= owner < driver.device_count():
-            raise NotSupportedError(driver.invisible_gpu_text("holding this memory"))
-        if owner != device and not driver.can_access_peer(device, owner):
-            raise NotSupportedError(f"cuDeviceCanAccessPeer -> 0: device {device} cannot access memory on "
-                                    f"device {owner}")
+        _check_reachable(owner, device, "holding this memory")
         gran = driver.vmm_granularity(owner)
         if any(n % gran for n in sizes):
             raise InvalidArgumentError(f"part sizes {sizes[:8]} are not multiples of the {gran}-byte granularity")
