@@ -206,21 +206,25 @@ def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[_ImportedChunk]
 
 class _Hold:
     """What the items of one array message hold together: the peer's lease, released once every
-    item is released (or, as a safety net, when the last of them is collected), and one reference
-    on each chunk they lie in. One per message, so a batch of thousands pays one finaliser."""
+    item is released (or, as a safety net, when the last of them is collected: ``__del__``), and
+    one reference on each chunk they lie in. One per message, so a batch of thousands pays one
+    safety net; ``__del__`` rather than ``weakref.finalize``, which costs a registration per message."""
 
-    __slots__ = ("left", "lock", "fin", "lease_id", "stream", "ordering", "__weakref__")
+    __slots__ = ("left", "lock", "alive", "channel", "chunks", "lease_id", "stream", "ordering", "__weakref__")
 
     def __init__(self, channel: "Channel", lease_id: int, chunks: list[_ImportedChunk], items: int,
                  stream: int = 0, ordering: str | None = None) -> None:
+        self.alive = False  # until the chunk references are taken: __del__ gives back nothing before
         self.lease_id = lease_id
         self.stream = stream  # the stream given to recv: made to wait on the event; synchronised by release
         self.ordering = ordering  # a repeated layout's: its descriptors keep their first ordering
         self.left = items
         self.lock = threading.Lock()
+        self.channel = weakref.ref(channel)
+        self.chunks = chunks
         for chunk in chunks:
             chunk.retain()
-        self.fin = weakref.finalize(self, _finalize_hold, weakref.ref(channel), lease_id, chunks)
+        self.alive = True
 
     def release(self, items: "Iterable[Received]") -> None:
         with self.lock:
@@ -228,13 +232,18 @@ class _Hold:
                 if not r._done:
                     r._done = True
                     self.left -= 1
-            last = self.left <= 0
-        if last:
-            # Released by the caller: the release may go out in its thread. Collected (the finaliser
-            # itself, inside the garbage collector): the flusher thread sends it, nothing blocks here.
-            info = self.fin.detach()
-            if info is not None:
-                _finalize_hold(*info[2], inline=True)
+            last = self.left <= 0 and self.alive
+            if last:
+                self.alive = False
+        if last:  # released by the caller: the release may go out in its thread
+            _finalize_hold(self.channel, self.lease_id, self.chunks, inline=True)
+
+    def __del__(self) -> None:
+        # Collected with items unreleased (possibly inside the garbage collector): the flusher
+        # thread sends the release, nothing blocks here.
+        if self.alive:
+            self.alive = False
+            _finalize_hold(self.channel, self.lease_id, self.chunks)
 
 
 class _Keep:
@@ -370,10 +379,10 @@ class Received:
 
     @property
     def released(self) -> bool:
-        return self._done or not self._hold.fin.alive
+        return self._done or not self._hold.alive
 
     def _check(self) -> None:
-        if self._done or not self._hold.fin.alive:
+        if self._done or not self._hold.alive:
             raise InvalidArgumentError("this Received was released; its block may already hold other data")
 
     def _span(self) -> int:
@@ -495,14 +504,19 @@ class _GcPause:
     was_on = False
 
 
-@contextlib.contextmanager
-def _bulk(items: int) -> Iterator[None]:
+def _bulk(items: int) -> contextlib.AbstractContextManager[None]:
     """Pause the cyclic garbage collector (``gc.disable``) while a batch of ``items`` makes an object or
     more per item, all of which it keeps: a collection in between would only walk them (measured on a
-    19,000-item batch: a fifth to a third of its time). Collections resume with the next allocations."""
-    if items < BULK_ITEMS:
-        yield
-        return
+    19,000-item batch: a fifth to a third of its time). Collections resume with the next allocations.
+    Below :data:`BULK_ITEMS`, a shared no-op context: a single array pays no generator per message."""
+    return _NO_PAUSE if items < BULK_ITEMS else _gc_paused()
+
+
+_NO_PAUSE = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
     with _GcPause.lock:
         if _GcPause.depth == 0:
             _GcPause.was_on = gc.isenabled()
@@ -578,7 +592,7 @@ def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, 
         bad = next((r for r in rs if not isinstance(r, Received)), None)
         if bad is not None:  # (a subclass passes)
             raise InvalidArgumentError(f"as_tensors takes Received objects, got {type(bad).__name__}")
-    if any(map(_DONE, rs)) or not all(h.fin.alive for h in set(map(_HOLD, rs))):
+    if any(map(_DONE, rs)) or not all(h.alive for h in set(map(_HOLD, rs))):
         raise InvalidArgumentError("a Received was released; its block may already hold other data")
     torch = _require("torch")
     batches = set(map(_BATCH, rs))
