@@ -465,6 +465,38 @@ def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: Shared
         x.close()
 
 
+def test_a_ring_of_blocks_sent_one_at_a_time_repeats_their_layouts(addr: str, pool: SharedPool) -> None:
+    from dmabuf_interop.channel.protocol import MAX_SINGLE_LAYOUTS
+
+    listener, prod, cons = pair(addr, pool)
+    ring = [pool.empty(4, "int32") for _ in range(40)]  # more than a batch layout's limit, fewer than a single's
+    for step in range(3):
+        for i, a in enumerate(ring):
+            a[:] = step * 100 + i
+            lease = prod.send(a, meta={"step": step, "i": i} if i % 2 else None)
+            got = cons.recv(5) if i % 3 else cons.recv_many(5)[0]  # a single array's repeat is one array
+            assert got.meta == ({"step": step, "i": i} if i % 2 else None)
+            assert (np.asarray(got.as_array()) == step * 100 + i).all()
+            got.release()
+            lease.wait(5)
+    # Each array defined its layout once and was repeated since; the batches' layouts are apart.
+    assert len(prod._single_layouts_sent) == len(cons._single_layouts) == 40
+    assert not prod._layouts_sent and not cons._layouts
+    # More than either end remembers: the oldest are forgotten on both sides alike, and sent again in full.
+    more = [pool.empty(1, "uint8") for _ in range(MAX_SINGLE_LAYOUTS)]
+    for a in more:
+        prod.send(a)
+        cons.recv(5).release()
+    assert len(prod._single_layouts_sent) == len(cons._single_layouts) == MAX_SINGLE_LAYOUTS
+    ring[0][:] = 7
+    lease = prod.send(ring[0])
+    with cons.recv(5) as got:
+        assert (np.asarray(got.as_array()) == 7).all()
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     state = {"w": pool.empty((4, 3), "int32"), "b": pool.empty(5, "float64"), "w2": None}

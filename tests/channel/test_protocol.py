@@ -202,6 +202,25 @@ def _reannounced_smaller(c) -> None:  # the same chunk id, retired, then announc
     send_frame(c, _REPEAT)
 
 
+def _single_reannounced_smaller(c) -> None:  # as above, for one array's layout
+    _memfd_chunk(c, 1, 1 << 20)
+    send_frame(c, {"kind": "array", "lease": 1, "desc": _layout_desc((1 << 20) - 4096), "layout": 1})
+    send_frame(c, {"kind": "retire", "chunk": 1})
+    _memfd_chunk(c, 1, 4096)
+    send_frame(c, _REPEAT)
+
+
+def _single_layout_bad_id(c) -> None:
+    _memfd_chunk(c, 1, 4096)
+    send_frame(c, {"kind": "array", "lease": 1, "desc": _layout_desc(0), "layout": -1})
+
+
+def _single_layout_twice(c) -> None:
+    _memfd_chunk(c, 1, 8192)
+    send_frame(c, {"kind": "arrays", "lease": 1, "items": [_layout_desc(0)], "mapping": False, "layout": 1})
+    send_frame(c, {"kind": "array", "lease": 2, "desc": _layout_desc(4096), "layout": 1})
+
+
 def _block_outside(c) -> None:
     _memfd_chunk(c, 1, 4096)
     send_frame(c, {"kind": "array", "lease": 1, "desc": desc(block_offset=4096 - 256)})
@@ -251,6 +270,9 @@ def _parts_script(msg: dict, nfds: int):
     (_parts_script(_chunk_msg(parts=None), 1), "'parts' must be a list", False),
     (_block_outside, "outside chunk", False),
     (_reannounced_smaller, "retired since", True),
+    (_single_reannounced_smaller, "retired since", True),
+    (_single_layout_bad_id, "'layout' = -1 is outside", False),
+    (_single_layout_twice, "defined twice", True),
     (_empty_layout, "at least one item", False),
     (_event_on_host, "host chunk", True),
 ])

@@ -38,7 +38,8 @@ from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, Peer
 from ..fd import OwnedFd
 from ..fdpass import close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
-from .protocol import DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, ArrayDescriptor, parse_message
+from .protocol import (DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, ArrayDescriptor,
+                       parse_message)
 from .wire import send_frame, recv_frame
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all"]
@@ -726,10 +727,10 @@ def _wire_descs(placed: list[Any], order: str, ev64: str | None, meta: dict[str,
 
 
 class _Memo:
-    """A batch lent whose every array lay in a :class:`.pool.SharedPool` block: sending the same
-    names over the same addresses and layouts again (a model's state dict, every step, whole or
-    in buckets) reuses its placement, referencing its blocks again, without inspecting and finding
-    each array."""
+    """A batch, or one array, lent whose every array lay in a :class:`.pool.SharedPool` block:
+    sending the same names over the same addresses and layouts again (a model's state dict, every
+    step, whole or in buckets; a ring of blocks) reuses its placement, referencing its blocks again,
+    without inspecting and finding each array, and sends a ``repeat`` of its layout."""
 
     __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout", "batch")
 
@@ -743,7 +744,7 @@ class _Memo:
                  batch: bool) -> None:
         self.names = names
         self.key = self.key_of(batch, names, sigs)
-        self.batch = batch  # a send_many batch (sent as a layout), else one send
+        self.batch = batch  # a send_many batch, else one send (each sent as a layout)
         self.sigs = sigs
         self.placed = placed
         self.blocks = [p[1] for p in placed]  # a lease's list, shared: a Lease never changes it
@@ -820,10 +821,13 @@ class Channel:
         self._pending: list[int] = []
         self._last_flush = 0.0  # time.monotonic() of the last release message
         self._opened_events: dict[bytes, Any] = {}
-        # Batch layouts (see send_many): sent, key -> id; received, id -> (descs, mapping, their chunks).
-        self._layouts_sent: dict[Any, int] = {}
+        # Layouts (_send_batch): sent, key -> id; received, id -> (descs, mapping, their chunks).
+        self._layouts_sent: dict[Any, int] = {}  # batches' (MAX_LAYOUTS)
+        self._single_layouts_sent: dict[Any, int] = {}  # single arrays' (MAX_SINGLE_LAYOUTS)
         self._layout_ids = itertools.count(1)
-        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool, dict[int, Any]]] = {}
+        # As the peer defined them: (descriptors, mapping, chunks); mapping None for one array.
+        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]] = {}
+        self._single_layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]] = {}
         # Batches lent whose arrays all lay in pool blocks, by (length, first name, last name).
         self._memos: dict[tuple[Any, ...], _Memo] = {}
         self._flusher: threading.Thread | None = None
@@ -1137,18 +1141,16 @@ class Channel:
         with self._state:
             self._leases[lease.id] = lease
         try:
-            if batch is None:
+            if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
                 self._send({"kind": "array", "lease": lease.id, "desc": _wire_descs(placed, order, ev64, meta)[0]})
             else:
-                self._send_batch(lease.id, placed, batch == "mapping", order, ev64, meta, memo)
+                self._send_batch(lease.id, placed, None if batch is None else batch == "mapping", order, ev64,
+                                 meta, memo)
         except BaseException:
             with self._state:
                 self._leases.pop(lease.id, None)
             lease._complete("closed")
             raise
-        if batch is None and memo is not None and again is None:  # sent: remember it (a batch's, with its layout)
-            with self._send_lock:
-                self._remember(memo, None)
         return lease
 
     def _lend_again(self, names: list[str | None], arrays: list[Any],
@@ -1184,23 +1186,26 @@ class Channel:
         if self._memos.get(memo.key) is memo:
             del self._memos[memo.key]
 
-    def _send_batch(self, lease_id: int, placed: list[Any], mapping: bool, order: str, ev64: str | None,
+    def _send_batch(self, lease_id: int, placed: list[Any], mapping: bool | None, order: str, ev64: str | None,
                     meta: dict[str, Any] | None, memo: "_Memo | None" = None) -> None:
-        """Send an ``arrays`` message defining a layout, or a ``repeat`` of one the peer already has:
-        the same names in the same blocks with the same shapes, strides and dtypes (a model's
-        state dict, sent every step), so the peer validates and rebuilds nothing. ``memo``: the
+        """Send an ``arrays`` message (``mapping`` true or false), or an ``array`` message (``mapping``
+        None: one remembered array), defining a layout, or a ``repeat`` of one the peer already has: the
+        same names in the same blocks with the same shapes, strides and dtypes (a model's state dict
+        sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
         placement came from it (a repeat of its layout) or is to be remembered in it."""
         with self._send_lock:
-            if memo is not None and memo.batch and memo.layout is not None and self._memos.get(memo.key) is memo:
+            if memo is not None and memo.layout is not None and self._memos.get(memo.key) is memo:
                 self._send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
                                    "event": ev64, "meta": meta})
                 return
         key = (mapping, tuple((name, block.chunk.id, block.offset, block.size, off, shape, strides, dtype)
                               for name, block, off, shape, strides, dtype in placed))
+        sent, limit = ((self._single_layouts_sent, MAX_SINGLE_LAYOUTS) if mapping is None
+                       else (self._layouts_sent, MAX_LAYOUTS))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
         with self._send_lock:
-            layout = self._layouts_sent.get(key)
+            layout = sent.get(key)
             if memo is not None and layout is not None:
                 self._remember(memo, layout)
             if layout is not None:
@@ -1208,17 +1213,20 @@ class Channel:
                                    "event": ev64, "meta": meta})
                 return
             layout = next(self._layout_ids)
+            descs = _wire_descs(placed, order, ev64, meta)
             try:
-                self._send_locked({"kind": "arrays", "lease": lease_id, "items": _wire_descs(placed, order, ev64, meta),
-                                   "mapping": mapping, "layout": layout})
+                if mapping is None:
+                    self._send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": layout})
+                else:
+                    self._send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                                       "layout": layout})
             except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
                 raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
-            self._layouts_sent[key] = layout
+            sent[key] = layout
             if memo is not None:
                 self._remember(memo, layout)
-            if len(self._layouts_sent) > MAX_LAYOUTS:  # first in, first out: the peer forgets the same one
-                oldest = next(iter(self._layouts_sent))
-                gone = self._layouts_sent.pop(oldest)
+            if len(sent) > limit:  # first in, first out: the peer forgets the same one
+                gone = sent.pop(next(iter(sent)))
                 for m in [m for m in self._memos.values() if m.layout == gone]:
                     self._forget(m)
 
@@ -1456,7 +1464,8 @@ class Channel:
             if kind == "repeat":
                 descs, mapping, chunks = self._repeat(msg)
                 ordering = msg["ordering"]
-                kind = "arrays"
+                kind = "array" if mapping is None else "arrays"  # a single array's layout arrives as one
+                mapping = bool(mapping)
             else:
                 chunks = {}
                 for d in descs:
@@ -1470,7 +1479,7 @@ class Channel:
                         raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
                 mapping = kind == "arrays" and msg["mapping"]
                 if "layout" in msg:
-                    self._define_layout(msg["layout"], descs, mapping, chunks)
+                    self._define_layout(msg["layout"], descs, mapping if kind == "arrays" else None, chunks)
             with self._state:
                 if lease_id in self._held:
                     raise ProtocolError(f"lease {lease_id} is already held")
@@ -1500,21 +1509,26 @@ class Channel:
         else:  # hello after the handshake
             raise ProtocolError(f"unexpected {kind!r} message after the handshake")
 
-    def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool,
+    def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool | None,
                        chunks: dict[int, _ImportedChunk]) -> None:
-        if layout in self._layouts:
+        """Keep a layout the peer defined: a batch's (``mapping`` true or false) among the last
+        :data:`MAX_LAYOUTS`, one array's (``mapping`` None) among the last :data:`MAX_SINGLE_LAYOUTS`,
+        first in, first out, as the exporter forgets them."""
+        if layout in self._layouts or layout in self._single_layouts:
             raise ProtocolError(f"layout {layout} defined twice")
+        kept, limit = ((self._single_layouts, MAX_SINGLE_LAYOUTS) if mapping is None
+                       else (self._layouts, MAX_LAYOUTS))
         # The imports themselves, not their ids: a repeat must find these very chunks (an id retired
         # and announced again is another chunk, of another size).
-        self._layouts[layout] = (descs, mapping, chunks)
-        if len(self._layouts) > MAX_LAYOUTS:  # first in, first out, as the exporter forgets them
-            del self._layouts[next(iter(self._layouts))]
+        kept[layout] = (descs, mapping, chunks)
+        if len(kept) > limit:
+            del kept[next(iter(kept))]
 
-    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool, dict[int, Any]]:
+    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]:
         """The descriptors of a ``repeat`` message: its layout's, validated when it was defined, with
         this message's ordering, event and meta on the first (the others take ``ordering`` from the
-        Received)."""
-        found = self._layouts.get(msg["layout"])
+        Received); ``mapping`` None for one array's layout."""
+        found = self._layouts.get(msg["layout"]) or self._single_layouts.get(msg["layout"])
         if found is None:
             raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
         descs, mapping, chunks = found
@@ -1523,7 +1537,10 @@ class Channel:
                 raise ProtocolError(f"repeat of layout {msg['layout']} names chunk {cid}, retired since")
             if msg["ordering"] == "event" and chunk.is_host:
                 raise ProtocolError(f"ordering 'event' for host chunk {cid}")
-        first = dataclasses.replace(descs[0], ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
+        d = descs[0]
+        if (msg["ordering"], msg["event"], msg["meta"]) == (d.ordering, d.event, d.meta):
+            return descs, mapping, chunks  # (a ring of blocks sent again and again, as the first time)
+        first = dataclasses.replace(d, ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
         return [first, *descs[1:]], mapping, chunks
 
     def _import_chunk(self, msg: dict[str, Any], fds: list[int]) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_ITEMS",
     "MAX_LAYOUTS",
+    "MAX_SINGLE_LAYOUTS",
     "MAX_PARTS",
     "DTYPES",
     "ORDERINGS",
@@ -36,8 +37,9 @@ __all__ = [
 ]
 
 #: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
-#: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``).
-PROTOCOL_VERSION = 3
+#: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``; 4: an ``array``
+#: may define a layout too, and its ``repeat`` arrives as one array).
+PROTOCOL_VERSION = 4
 #: Largest caller ``meta`` per array, as compact JSON, in bytes.
 MAX_META_BYTES = 64 * 1024
 #: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's is 64).
@@ -46,6 +48,9 @@ MAX_NDIM = 32
 MAX_ITEMS = 65536
 #: Layouts each end remembers: the last this many ``arrays`` messages that defined one (first in, first out).
 MAX_LAYOUTS = 16
+#: Layouts of one array each end remembers, apart from the batches': the last this many ``array`` messages
+#: that defined one (first in, first out); a ring of blocks sent again and again stays known.
+MAX_SINGLE_LAYOUTS = 256
 #: Most physical allocations one device chunk may join (one fd each, all on one message: ``SCM_MAX_FD``).
 MAX_PARTS = 253
 #: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
@@ -313,8 +318,15 @@ def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:
             raise ProtocolError(f"{what}: {key!r} holds {x!r}, not an id")
 
 
+_ARRAY = frozenset({"kind", "lease", "desc"})
+_ARRAY_LAYOUT = _ARRAY | {"layout"}
+
+
 def _check_array(msg: dict[str, Any]) -> list[ArrayDescriptor]:
-    _keys(msg, {"kind", "lease", "desc"}, "array message")
+    if msg.keys() != _ARRAY_LAYOUT:
+        _keys(msg, _ARRAY, "array message")
+    else:
+        _int(msg, "layout")
     _int(msg, "lease")
     return [ArrayDescriptor.from_json(msg["desc"])]
 
