@@ -642,6 +642,34 @@ def test_a_device_pool_without_cuda_fails_when_made() -> None:
         SharedPool(0)
 
 
+def test_torch_lazy_conjugates_are_refused_and_parameters_copied(addr: str, pool: SharedPool) -> None:
+    torch = pytest.importorskip("torch")
+    listener, prod, cons = pair(addr, pool)
+    c = torch.from_numpy(pool.empty(2, "complex64"))
+    c[:] = torch.tensor([1 + 2j, 3 - 4j])
+    lease = prod.send(c)  # remembered: a conjugate view of the same memory must not pass as it
+    with cons.recv(5) as got:
+        assert got.as_tensor().tolist() == [1 + 2j, 3 - 4j]
+    lease.wait(5)
+    # The memory holds the values before the conjugation: sent as it lies, they would arrive wrong.
+    for lazy in (c.conj(), c.conj().imag, torch.tensor([1 + 2j]).conj()):
+        with pytest.raises(InvalidArgumentError, match="resolve_conj"):
+            prod.send(lazy)
+    lease = prod.send(c.conj().resolve_conj())
+    with cons.recv(5) as got:
+        assert got.as_tensor().tolist() == [1 - 2j, 3 + 4j]
+    lease.wait(5)
+    # A parameter that requires grad, outside the pool: copied, its values only.
+    layer = torch.nn.Linear(4, 2)
+    lease = prod.send_many(dict(layer.named_parameters()))
+    got = cons.recv_many(5)
+    assert torch.equal(got["weight"].as_tensor(), layer.weight.detach())
+    release_all(got.values())
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.channel import as_tensors
     from dmabuf_interop.errors import NotSupportedError

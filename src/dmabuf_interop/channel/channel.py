@@ -645,6 +645,9 @@ def _inspect(array: Any) -> _Source:
 
     mod = type(array).__module__
     if mod.startswith("torch"):
+        if array.is_conj() or array.is_neg():  # lazy views: the memory holds the values before the conjugation
+            raise InvalidArgumentError("a torch tensor with its conjugate or negative bit set cannot travel as "
+                                       "it lies in memory: send tensor.resolve_conj().resolve_neg()")
         known = _TORCH_DTYPES.get(array.dtype)
         if known is None:
             known = _TORCH_DTYPES[array.dtype] = (str(array.dtype).replace("torch.", ""), array.element_size())
@@ -768,8 +771,8 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
     with _bulk(len(arrays)):
         for a in arrays:
             kind = kinds.get(type(a))
-            if kind == 1:
-                append((a.data_ptr(), a.shape, a.stride(), a.dtype))
+            if kind == 1:  # (a lazy conjugate or negative view of the same memory is another array)
+                append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
             elif kind == 2:
                 append((a.ctypes.data, a.shape, a.strides, a.dtype))
             elif kind == 3:
@@ -970,6 +973,7 @@ class Channel:
         if block.pool.is_host and src.device < 0:
             obj = src.obj
             if type(obj).__module__.startswith("torch"):
+                obj = obj.detach()  # a parameter that requires grad: its values, not its graph
                 obj = obj.view(__import__("torch").int16).numpy() if src.dtype == "bfloat16" else obj.numpy()
             srcarr = np.asarray(obj)
             typestr = "<u2" if src.dtype == "bfloat16" else srcarr.dtype.str
