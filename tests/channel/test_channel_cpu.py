@@ -670,6 +670,57 @@ def test_torch_lazy_conjugates_are_refused_and_parameters_copied(addr: str, pool
         x.close()
 
 
+def test_a_message_cut_off_by_a_peer_that_stopped_reading_ends_the_connection(
+        addr: str, pool: SharedPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmabuf_interop.channel import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 0.5)
+    listener, prod, cons = pair(addr, pool)
+    state = {f"layer.{i}.weight": pool.empty(4, "float32") for i in range(5000)}  # about 1 MB of JSON
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosedError, match="cut off"):
+        prod.send_many(state)  # the consumer is not reading: the socket buffer fills part-way
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(PeerClosedError):
+        prod.send(state["layer.0.weight"])
+    # The consumer reads what arrived, then the end: at once, not after the rest's 60 s.
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosedError):
+        cons.recv_many(30)
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 5
+    while not prod.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prod.closed
+    for x in (cons, prod, listener):
+        x.close()  # no error: the connection is over
+
+
+def test_close_does_not_wait_for_a_send_stuck_on_a_peer_that_stopped_reading(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    state = {f"layer.{i}.weight": pool.empty(4, "float32") for i in range(5000)}
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            prod.send_many(state)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.5)  # stuck: the consumer is not reading
+    t0 = time.monotonic()
+    prod.close(timeout=0.5)
+    sender.join(10)
+    assert time.monotonic() - t0 < 5 and not sender.is_alive()
+    assert prod.closed and len(errors) == 1 and isinstance(errors[0], PeerClosedError)
+    with pytest.raises(PeerClosedError):
+        cons.recv_many(30)
+    for x in (cons, listener):
+        x.close()
+
+
 def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.channel import as_tensors
     from dmabuf_interop.errors import NotSupportedError

@@ -36,7 +36,7 @@ from .._time import deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
-from ..fdpass import close_fds, send_message
+from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
 from .protocol import (DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, ArrayDescriptor,
                        parse_message)
@@ -54,6 +54,9 @@ RELEASE_DELAY = 0.002
 RELEASE_GAP = 0.0002
 #: This many releases waiting go out at once, in the caller's thread (a busy consumer's batch).
 RELEASE_BATCH = 16
+#: Seconds a message may wait for the peer to take it (a full socket buffer) before the send fails; one cut
+#: off part-way ends the connection.
+SEND_TIMEOUT = 60.0
 
 _lease_ids = itertools.count(1)
 
@@ -861,12 +864,26 @@ class Channel:
             self._send_locked(obj, fd)
 
     def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
-        if self._eof or self._closed:
-            raise PeerClosedError("the channel is closed") from self._error
-        if fd is None:
-            send_frame(self._sock, obj)
-        else:
-            send_message(self._sock, obj, fd)
+        if self._eof or self._closed or self._sock in _broken_send:
+            raise PeerClosedError("the channel is closed" if self._closed else
+                                  "the connection has ended: the peer closed it, or a message to it was cut off "
+                                  "or could not be read") from self._error
+        try:
+            if fd is None:
+                send_frame(self._sock, obj, SEND_TIMEOUT)
+            else:
+                send_message(self._sock, obj, fd, timeout=SEND_TIMEOUT)
+        except DmaBufError as exc:
+            if self._sock not in _broken_send:
+                raise  # nothing of the message went out: the connection is as it was
+            # Cut off after its first byte (a peer that stopped reading): the stream is out of step for
+            # good. End it, so that the peer sees the end at once and our reader ends the channel.
+            self._error = self._error or exc
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise PeerClosedError(f"a message to the peer was cut off ({exc}): the connection is ended") from exc
 
     def _announce(self, block: Block) -> None:
         chunk = block.chunk
@@ -892,8 +909,8 @@ class Channel:
             self._announced.discard(chunk_id)
             try:
                 self._send({"kind": "retire", "chunk": chunk_id})
-            except (PeerClosedError, OSError):
-                pass
+            except (DmaBufError, OSError):
+                pass  # the connection has ended (or broke): the peer unmaps everything anyway
 
     def _find(self, array: Any) -> list[Any]:
         """``[source, itemsize, span, block]`` for a caller's array: ``block`` is the pool block that
@@ -1014,7 +1031,8 @@ class Channel:
             stream: device pools: the stream the writes were queued on (cuda.core / torch / CuPy
                 stream or a raw handle; ``None``: the legacy default stream).
             meta: a JSON object (at most 64 KiB) delivered with the array.
-            timeout: seconds to wait for pool room when copying.
+            timeout: seconds to wait for pool room when copying. (A peer that takes nothing of the
+                message for :data:`SEND_TIMEOUT` seconds fails the send, whatever ``timeout``.)
             ordering: device pools: ``"event"`` (record an interprocess event on
                 ``stream``, ``cuEventRecord``; skipped, and sent as ``"sync"``, when
                 ``cuStreamQuery`` finds nothing pending on ``stream``) or ``"sync"``
@@ -1025,9 +1043,12 @@ class Channel:
 
         Raises:
             InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
-                timeout, no pool to copy into.
+                timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set.
             PoolExhaustedError: no room within ``timeout``.
-            PeerClosedError: the peer has gone.
+            PeerClosedError: the peer has gone, or the message was cut off part-way by a peer that
+                stopped reading (the connection is then ended, and the peer sees its end).
+            WaitTimeoutError: the peer took nothing of the message for :data:`SEND_TIMEOUT`
+                seconds (none of it went out: the channel is as it was).
         """
         return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
 
@@ -1403,8 +1424,8 @@ class Channel:
                     self._send_locked(msg)
                 else:
                     self._send(msg)
-            except (PeerClosedError, OSError):
-                pass  # the exporter is gone: it has released everything already
+            except (DmaBufError, OSError):
+                pass  # the exporter is gone, or the connection broke: it releases everything at the end
 
     def _flush_loop(self) -> None:
         while True:
@@ -1430,8 +1451,13 @@ class Channel:
             return True
         try:
             msg, fds = recv_frame(self._sock, remaining(deadline))
-        except WaitTimeoutError:
-            return False
+        except WaitTimeoutError as exc:
+            if self._sock not in _broken_recv:
+                return False  # nothing began to arrive
+            # A message began and its rest did not come within REST_TIMEOUT: out of step for good.
+            self._error = ProtocolError(f"the peer stopped in the middle of a message: {exc}")
+            self._end()
+            return True
         except (DmaBufError, OSError, ValueError) as exc:
             self._error = exc
             self._end()
@@ -1612,22 +1638,32 @@ class Channel:
         Leases still out complete with reason ``"closed"``; arrays still held
         here stay readable until released; arrays that arrived and were not
         received are dropped. Opened IPC events are destroyed
-        (``cuEventDestroy``).
+        (``cuEventDestroy``). A send in progress in another thread (a peer
+        that stopped reading) is waited for at most ``timeout`` seconds; then
+        the connection is ended under it, and that send raises
+        ``PeerClosedError``.
         """
         if self._closed:
             return
-        self._flush()
+        # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
+        # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
+        locked = self._send_lock.acquire(timeout=max(0.0, timeout))
         try:
-            self._send({"kind": "bye"})
-        except (PeerClosedError, OSError):
-            pass
-        self._closed = True
-        with self._send_lock:
+            if locked:
+                self._flush(send_lock_held=True)
+                try:
+                    self._send_locked({"kind": "bye"})
+                except (DmaBufError, OSError):
+                    pass  # the peer is gone, or the connection broke: ended below all the same
+            self._closed = True
             if not self._eof:
                 try:
                     self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader, which closes the socket
                 except OSError:
                     pass
+        finally:
+            if locked:
+                self._send_lock.release()
         self._flush_wake.set()
         with self._state:
             self._state.notify_all()
