@@ -1023,5 +1023,12 @@ def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: Shar
     lease.wait(5)
     for x in (cons, prod, listener):
         x.close()
+    # The timeout covers the wait for the listener and the handshake together.
+    late = in_thread(lambda: (time.sleep(0.6), listen(addr, pool=pool))[1])  # listens, never accepts
+    t0 = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match="no hello"):
+        connect(addr, timeout=1, wait=True)
+    assert time.monotonic() - t0 < 1.5
+    late().close()
     with pytest.raises(InvalidArgumentError, match="local"):
         connect("tcp://127.0.0.1:1", timeout=1, wait=True)

@@ -323,7 +323,7 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
         try:
-            theirs = recv_hello(sock, timeout)
+            theirs = recv_hello(sock, remaining(deadline))  # what the connection left of the timeout
         except WaitTimeoutError as exc:
             raise WaitTimeoutError(f"connected to {str(address)!r}, but no hello within {timeout} s: is the "
                                    f"listening process calling accept()?") from exc
