@@ -209,3 +209,13 @@ def test_remote_listener_skips_a_peer_that_left_and_refuses_accept_once_closed()
     listener.close()
     with pytest.raises(InvalidArgumentError, match="closed"):
         listener.accept(1)
+    # A thread waiting in accept() is woken by close().
+    listener = listen("tcp://127.0.0.1:0", token=TOKEN)
+    errors: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: errors.append(pytest.raises(InvalidArgumentError, listener.accept,
+                                                                         None).value))
+    waiter.start()
+    time.sleep(0.3)
+    listener.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and len(errors) == 1 and "closed" in str(errors[0])

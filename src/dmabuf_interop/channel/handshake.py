@@ -101,13 +101,18 @@ class ListenerBase:
 
         Raises:
             WaitTimeoutError: none by ``deadline``. SyscallError: ``accept`` failed.
+            InvalidArgumentError: the listener was closed meanwhile.
         """
         from ..fdpass import _wait_readable
 
         _wait_readable(self._sock, deadline, "a channel consumer to connect")
+        if self.closed:  # close() from another thread woke the wait
+            raise InvalidArgumentError(f"the listener on {self.address} was closed")
         try:
             conn, _ = self._sock.accept()
         except OSError as exc:
+            if self.closed:
+                raise InvalidArgumentError(f"the listener on {self.address} was closed") from exc
             raise SyscallError("accept", exc) from exc
         return conn
 

@@ -590,6 +590,7 @@ class RemoteListener(ListenerBase):
     def __init__(self, sock: socket.socket, secret: bytes, *, pool: SharedPool | None, device: int | None,
                  xfer_timeout: float) -> None:
         self._sock = sock
+        self._stopped = False  # set before the socket is shut down: accept() then knows why it woke
         self._secret = secret
         self.pool = pool
         self._device = device
@@ -617,12 +618,18 @@ class RemoteListener(ListenerBase):
                           self._xfer_timeout)
 
     def close(self) -> None:
-        """Stop listening (idempotent)."""
+        """Stop listening (idempotent); a thread waiting in :meth:`accept` is woken."""
+        self._stopped = True
+        if self._sock.fileno() >= 0:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes poll() in accept (closing the fd would not)
+            except OSError:
+                pass
         self._sock.close()
 
     @property
     def closed(self) -> bool:
-        return self._sock.fileno() < 0
+        return self._stopped or self._sock.fileno() < 0
 
 
 def listen_remote(address: str, *, pool: SharedPool | None = None, device: int | None = None, backlog: int = 64,

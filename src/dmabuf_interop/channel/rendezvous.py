@@ -117,6 +117,10 @@ class Listener(ListenerBase):
 
     @staticmethod
     def _cleanup(sock: socket.socket, path: str | None, ino: tuple[int, int] | None) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in accept() (closing the fd would not)
+        except OSError:
+            pass
         sock.close()
         if path is not None and ino is not None:
             _unlink_if_ours(path, ino)
