@@ -399,6 +399,25 @@ def test_accept_skips_connections_whose_peer_already_left(addr: str, pool: Share
         listener.accept(1)
 
 
+def test_closing_a_listener_wakes_a_thread_waiting_in_accept(addr: str, pool: SharedPool) -> None:
+    listener = listen(addr, pool=pool)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            listener.accept(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    listener.close()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], InvalidArgumentError) and "closed" in str(errors[0])
+
+
 def test_recv_timeout_zero_takes_what_has_arrived_and_negative_is_refused(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     with pytest.raises(WaitTimeoutError):
@@ -719,6 +738,46 @@ def test_close_does_not_wait_for_a_send_stuck_on_a_peer_that_stopped_reading(add
         cons.recv_many(30)
     for x in (cons, listener):
         x.close()
+
+
+def test_fds_a_host_chunk_holds_and_the_cause_of_a_local_end(addr: str, tmp_path: Path) -> None:
+    per_chunk = 1 if sys.version_info >= (3, 13) else 2  # the memfd, and before 3.13 the dup mmap keeps
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 24) as pool:
+        before = len(open_fds())
+        arrays = [pool.empty(1 << 14, "float32") for _ in range(8)]  # a chunk each
+        assert len(open_fds()) - before == 8 * per_chunk
+        del arrays
+    # A consumer under a low fd limit: before 3.13 it runs out of fds mapping chunks, and the next recv
+    # says so, with the error as its cause.
+    script = tmp_path / "consumer.py"
+    script.write_text(f"""
+import resource, sys
+from dmabuf_interop.channel import connect
+from dmabuf_interop.errors import PeerClosedError, SyscallError
+with connect({addr!r}, timeout=10, wait=True) as ch:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    held = []
+    try:
+        while True:
+            held.append(ch.recv(10))
+    except PeerClosedError as exc:
+        if sys.version_info >= (3, 13):  # a mapped chunk holds no fd: all 80 fit, then the producer closed
+            assert len(held) == 80 and "peer closed" in str(exc), (len(held), repr(exc))
+        else:  # one fd per mapped chunk: mapping fails with EMFILE, which ends the connection here
+            assert len(held) < 80 and isinstance(exc.__cause__, SyscallError) and "EMFILE" in str(exc), repr(exc)
+        print("ok", len(held))
+""")
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 24) as pool, listen(addr, pool=pool) as listener:
+        proc = subprocess.Popen([sys.executable, str(script)], env=env_with_src(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        with listener.accept(10) as prod:
+            try:
+                for _ in range(80):
+                    prod.send(pool.empty(1 << 14, "float32"))
+            except PeerClosedError:
+                pass  # the consumer ended the connection
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out.startswith("ok"), out + err[-2000:]
 
 
 def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:

@@ -865,9 +865,7 @@ class Channel:
 
     def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
         if self._eof or self._closed or self._sock in _broken_send:
-            raise PeerClosedError("the channel is closed" if self._closed else
-                                  "the connection has ended: the peer closed it, or a message to it was cut off "
-                                  "or could not be read") from self._error
+            raise self._ended()
         try:
             if fd is None:
                 send_frame(self._sock, obj, SEND_TIMEOUT)
@@ -884,6 +882,19 @@ class Channel:
             except OSError:
                 pass
             raise PeerClosedError(f"a message to the peer was cut off ({exc}): the connection is ended") from exc
+
+    def _ended(self) -> PeerClosedError:
+        """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
+        err = self._error
+        if self._closed:
+            why = "the channel is closed"
+        elif err is None or isinstance(err, PeerClosedError):
+            why = "the peer closed the channel"
+        else:  # a failure here (no fd left to map a chunk, a message cut off), not the peer's doing
+            why = f"the connection ended on an error: {type(err).__name__}: {err}"
+        exc = PeerClosedError(why)
+        exc.__cause__ = err
+        return exc
 
     def _announce(self, block: Block) -> None:
         chunk = block.chunk
@@ -1106,7 +1117,7 @@ class Channel:
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._eof or self._closed:
-            raise PeerClosedError("the channel is closed") from self._error
+            raise self._ended()
         h = _stream_handle(stream)
         placed: list[tuple[str | None, Block, int, tuple[int, ...], tuple[int, ...], str]] = []
         found: list[list[Any]] = []
@@ -1283,8 +1294,7 @@ class Channel:
                     err = self._error
                     if isinstance(err, (ProtocolError, PeerRefusedError)):
                         raise type(err)(str(err)) from err
-                    raise PeerClosedError("the peer closed the channel" if not self._closed
-                                          else "the channel is closed")
+                    raise self._ended()
                 left = remaining(deadline)
                 expired = left is not None and left <= 0
                 if expired and (drained or self._reader is not None):
@@ -1354,7 +1364,8 @@ class Channel:
         Raises:
             WaitTimeoutError: nothing within ``timeout``.
             PeerClosedError: the peer has gone (arrays it sent before are delivered first).
-            ProtocolError: the peer broke the protocol (the connection was closed).
+            ProtocolError: the peer broke the protocol, or stopped in the middle of a message for
+                :data:`.wire.REST_TIMEOUT` seconds (the connection was closed).
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
         """
         h = _stream_handle(stream)  # before the message is taken: a bad stream must not lose it

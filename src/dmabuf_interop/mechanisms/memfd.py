@@ -22,6 +22,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import sys
 from typing import Any, Sequence
 
 from .._checks import byte_count, byte_offset
@@ -39,12 +40,18 @@ __all__ = ["export_memfd", "import_memfd", "host_array", "write_pattern_host", "
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
+#: ``mmap.mmap`` keeps a duplicate of the fd for as long as it lives (for ``size()`` and ``resize()``,
+#: unused here) unless told not to, which Python 3.13 added: without it, a mapping costs one more fd.
+_MMAP_KW = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
 class _Mapping:
-    """Keeps an ``mmap`` and exposes its address without copying."""
+    """Keeps an ``mmap`` and exposes its address without copying. From Python 3.13 it holds no fd
+    (``trackfd=False``); before, Python's ``mmap`` holds a duplicate of ``fd`` while it is mapped."""
 
     def __init__(self, fd: int, length: int, writable: bool = True) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+        self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, prot, **_MMAP_KW)
         self.writable = writable
         # ctypes cannot take the address of a read-only buffer: ask NumPy, which can.
         import numpy as np
