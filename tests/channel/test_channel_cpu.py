@@ -401,21 +401,11 @@ def test_accept_skips_connections_whose_peer_already_left(addr: str, pool: Share
 
 def test_closing_a_listener_wakes_a_thread_waiting_in_accept(addr: str, pool: SharedPool) -> None:
     listener = listen(addr, pool=pool)
-    errors: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            listener.accept(None)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            errors.append(exc)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiting = in_thread(lambda: listener.accept(None))
     time.sleep(0.3)
     listener.close()
-    waiter.join(5)
-    assert not waiter.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], InvalidArgumentError) and "closed" in str(errors[0])
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        waiting(5)
 
 
 def test_recv_timeout_zero_takes_what_has_arrived_and_negative_is_refused(addr: str, pool: SharedPool) -> None:
@@ -718,22 +708,13 @@ def test_a_message_cut_off_by_a_peer_that_stopped_reading_ends_the_connection(
 def test_close_does_not_wait_for_a_send_stuck_on_a_peer_that_stopped_reading(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     state = {f"layer.{i}.weight": pool.empty(4, "float32") for i in range(5000)}
-    errors: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            prod.send_many(state)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            errors.append(exc)
-
-    sender = threading.Thread(target=send)
-    sender.start()
+    sending = in_thread(lambda: prod.send_many(state))
     time.sleep(0.5)  # stuck: the consumer is not reading
     t0 = time.monotonic()
     prod.close(timeout=0.5)
-    sender.join(10)
-    assert time.monotonic() - t0 < 5 and not sender.is_alive()
-    assert prod.closed and len(errors) == 1 and isinstance(errors[0], PeerClosedError)
+    with pytest.raises(PeerClosedError):
+        sending(5)  # ended under it
+    assert time.monotonic() - t0 < 5 and prod.closed
     with pytest.raises(PeerClosedError):
         cons.recv_many(30)
     for x in (cons, listener):
