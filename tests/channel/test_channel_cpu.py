@@ -690,8 +690,9 @@ def test_a_message_cut_off_by_a_peer_that_stopped_reading_ends_the_connection(
     with pytest.raises(PeerClosedError, match="cut off"):
         prod.send_many(state)  # the consumer is not reading: the socket buffer fills part-way
     assert time.monotonic() - t0 < 5
-    with pytest.raises(PeerClosedError):
+    with pytest.raises(PeerClosedError, match="WaitTimeoutError") as info:  # the first cause, not our own EOF
         prod.send(state["layer.0.weight"])
+    assert isinstance(info.value.__cause__, WaitTimeoutError)
     # The consumer reads what arrived, then the end: at once, not after the rest's 60 s.
     t0 = time.monotonic()
     with pytest.raises(PeerClosedError):
@@ -759,6 +760,57 @@ with connect({addr!r}, timeout=10, wait=True) as ch:
                 pass  # the consumer ended the connection
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and out.startswith("ok"), out + err[-2000:]
+
+
+def test_a_received_that_dies_in_a_reference_cycle_still_releases_its_lease(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send(pool.empty(4, "int32"))
+
+    def consume() -> None:
+        r = cons.recv(5)  # noqa: F841 - held by the frame
+        try:
+            raise ValueError("caught")
+        except ValueError as exc:
+            err = exc  # noqa: F841 - err -> traceback -> this frame -> err: r becomes cyclic garbage
+
+    consume()
+    gc.collect()
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_a_repeat_carries_its_own_meta_exactly(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(4, "int32")
+    got = []
+    for meta in ({"flag": 1}, {"flag": True}, {"flag": 1.0}, None, {"flag": 1}):  # 1 == True == 1.0 in Python
+        lease = prod.send(a, meta=meta)
+        got.append(cons.recv(5))
+        assert got[-1].meta == meta and type((got[-1].meta or {}).get("flag")) is type((meta or {}).get("flag"))
+    assert got[0].meta is not got[4].meta  # each message its own object
+    release_all(got)
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_close_is_bounded_by_its_timeout_on_a_peer_that_stopped_reading(
+        addr: str, pool: SharedPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmabuf_interop.channel import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 0.3)
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(4, "int32")
+    with pytest.raises((WaitTimeoutError, PeerClosedError)):
+        for _ in range(100_000):  # the consumer never reads: its socket buffer fills
+            prod.send(a)
+    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 30.0)
+    t0 = time.monotonic()
+    prod.close(timeout=0.5)
+    assert time.monotonic() - t0 < 2 and prod.closed
+    cons.close(None)  # no timeout: waits as long as it must
+    listener.close()
 
 
 def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:

@@ -224,7 +224,9 @@ class _Hold:
         self.ordering = ordering  # a repeated layout's: its descriptors keep their first ordering
         self.left = items
         self.lock = threading.Lock()
-        self.channel = weakref.ref(channel)
+        # The channel's own weakref object: one the hold made would be cleared before __del__ runs
+        # when the hold dies in a reference cycle, and the release would be lost.
+        self.channel = channel._weak
         self.chunks = chunks
         for chunk in chunks:
             chunk.retain()
@@ -815,6 +817,7 @@ class Channel:
         self.ordering = ordering
         self._sock = sock
         self._send_lock = threading.Lock()
+        self._weak = weakref.ref(self)  # shared by every _Hold (see there)
         self._state = threading.Condition()
         self._queue: collections.deque[Any] = collections.deque()
         self._error: BaseException | None = None
@@ -863,25 +866,42 @@ class Channel:
         with self._send_lock:
             self._send_locked(obj, fd)
 
-    def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
+    def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None,
+                     timeout: float | None = None) -> None:
+        """Send one message (the caller holds the send lock), waiting at most ``timeout`` seconds
+        (default :data:`SEND_TIMEOUT`) for the peer to take it."""
         if self._eof or self._closed or self._sock in _broken_send:
             raise self._ended()
+        wait = SEND_TIMEOUT if timeout is None else timeout
         try:
             if fd is None:
-                send_frame(self._sock, obj, SEND_TIMEOUT)
+                send_frame(self._sock, obj, wait)
             else:
-                send_message(self._sock, obj, fd, timeout=SEND_TIMEOUT)
-        except DmaBufError as exc:
+                send_message(self._sock, obj, fd, timeout=wait)
+        except BaseException as exc:
             if self._sock not in _broken_send:
                 raise  # nothing of the message went out: the connection is as it was
-            # Cut off after its first byte (a peer that stopped reading): the stream is out of step for
-            # good. End it, so that the peer sees the end at once and our reader ends the channel.
-            self._error = self._error or exc
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            # Cut off after its first byte (a peer that stopped reading, or an interrupt): the stream
+            # is out of step for good. End it: the peer sees the end at once, our reader ends the channel.
+            self._abort(exc)
+            if not isinstance(exc, DmaBufError):
+                raise  # (KeyboardInterrupt and the like stay what they are)
             raise PeerClosedError(f"a message to the peer was cut off ({exc}): the connection is ended") from exc
+
+    def _set_error(self, exc: BaseException) -> None:
+        """Record why the connection ends; the first cause is kept (our own shutdown after it
+        makes the reader see an end of file, which says less)."""
+        if self._error is None:
+            self._error = exc
+
+    def _abort(self, exc: BaseException) -> None:
+        """End the connection now because of ``exc`` (shut the socket down: the peer sees the end
+        at once, and our reader, or the next read, ends the channel)."""
+        self._set_error(exc)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _ended(self) -> PeerClosedError:
         """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
@@ -920,6 +940,8 @@ class Channel:
             self._announced.discard(chunk_id)
             try:
                 self._send({"kind": "retire", "chunk": chunk_id})
+            except WaitTimeoutError as exc:  # the peer took nothing for that long: it would keep the mapping
+                self._abort(exc)
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke): the peer unmaps everything anyway
 
@@ -1423,7 +1445,7 @@ class Channel:
                 self._flusher.start()
         self._flush_wake.set()
 
-    def _flush(self, *, send_lock_held: bool = False) -> None:
+    def _flush(self, *, send_lock_held: bool = False, timeout: float | None = None) -> None:
         with self._state:
             ids, self._pending = self._pending, []
             if ids:
@@ -1432,9 +1454,11 @@ class Channel:
             msg = {"kind": "release", "leases": ids}
             try:
                 if send_lock_held:
-                    self._send_locked(msg)
+                    self._send_locked(msg, timeout=timeout)
                 else:
                     self._send(msg)
+            except WaitTimeoutError as exc:  # the exporter took nothing for that long: its blocks would stay lent
+                self._abort(exc)
             except (DmaBufError, OSError):
                 pass  # the exporter is gone, or the connection broke: it releases everything at the end
 
@@ -1466,21 +1490,21 @@ class Channel:
             if self._sock not in _broken_recv:
                 return False  # nothing began to arrive
             # A message began and its rest did not come within REST_TIMEOUT: out of step for good.
-            self._error = ProtocolError(f"the peer stopped in the middle of a message: {exc}")
+            self._set_error(ProtocolError(f"the peer stopped in the middle of a message: {exc}"))
             self._end()
             return True
         except (DmaBufError, OSError, ValueError) as exc:
-            self._error = exc
+            self._set_error(exc)
             self._end()
             return True
         try:
             self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
-            self._error = exc
+            self._set_error(exc)
             self._end()
         except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
-            self._error = ProtocolError(f"a {msg.get('kind')!r} message could not be handled: "
-                                        f"{type(exc).__name__}: {exc}")
+            self._set_error(ProtocolError(f"a {msg.get('kind')!r} message could not be handled: "
+                                          f"{type(exc).__name__}: {exc}"))
             self._end()
         finally:
             close_fds(fds)
@@ -1579,8 +1603,10 @@ class Channel:
             if msg["ordering"] == "event" and chunk.is_host:
                 raise ProtocolError(f"ordering 'event' for host chunk {cid}")
         d = descs[0]
-        if (msg["ordering"], msg["event"], msg["meta"]) == (d.ordering, d.event, d.meta):
-            return descs, mapping, chunks  # (a ring of blocks sent again and again, as the first time)
+        if msg["meta"] is None and d.meta is None and (msg["ordering"], msg["event"]) == (d.ordering, d.event):
+            # As defined (a ring of blocks sent again and again): the frozen descriptors are shared,
+            # never a meta object (whose == would also equate 1, 1.0 and True).
+            return descs, mapping, chunks
         first = dataclasses.replace(d, ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
         return [first, *descs[1:]], mapping, chunks
 
@@ -1643,7 +1669,7 @@ class Channel:
 
     # --- closing ------------------------------------------------------------------
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float | None = 5.0) -> None:
         """Flush pending releases, say ``bye``, and end the connection (idempotent).
 
         Leases still out complete with reason ``"closed"``; arrays still held
@@ -1658,14 +1684,15 @@ class Channel:
             return
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
-        locked = self._send_lock.acquire(timeout=max(0.0, timeout))
+        deadline = deadline_after(timeout)
+        locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:
-            if locked:
-                self._flush(send_lock_held=True)
+            if locked:  # the releases and the bye wait for the peer within the same timeout
+                self._flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
-                    self._send_locked({"kind": "bye"})
+                    self._send_locked({"kind": "bye"}, timeout=remaining(deadline))
                 except (DmaBufError, OSError):
-                    pass  # the peer is gone, or the connection broke: ended below all the same
+                    pass  # the peer is gone, or not reading, or the connection broke: ended below all the same
             self._closed = True
             if not self._eof:
                 try:
@@ -1681,14 +1708,14 @@ class Channel:
             reader = self._reader
         if reader is None:
             # No background reader: end the connection here, once no recv() is reading.
-            if self._read_lock.acquire(timeout=timeout):
+            if self._read_lock.acquire(timeout=-1 if deadline is None else remaining(deadline)):
                 try:
                     if not self._eof:
                         self._end()
                 finally:
                     self._read_lock.release()
         elif threading.current_thread() is not reader:
-            reader.join(timeout)
+            reader.join(remaining(deadline))
         with self._state:  # arrays never received: this end will not take them now
             dropped = list(self._queue)
             self._queue.clear()
