@@ -679,11 +679,17 @@ def test_torch_lazy_conjugates_are_refused_and_parameters_copied(addr: str, pool
         x.close()
 
 
-def test_a_message_cut_off_by_a_peer_that_stopped_reading_ends_the_connection(
-        addr: str, pool: SharedPool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def send_timeout(monkeypatch: pytest.MonkeyPatch):
+    """Sets, for one test, how long a send waits for a peer that takes nothing (``SEND_TIMEOUT``)."""
     from dmabuf_interop.channel import channel as channel_mod
 
-    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 0.5)
+    return lambda seconds: monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", seconds)
+
+
+def test_a_message_cut_off_by_a_peer_that_stopped_reading_ends_the_connection(addr: str, pool: SharedPool,
+                                                                                send_timeout) -> None:
+    send_timeout(0.5)
     listener, prod, cons = pair(addr, pool)
     state = {f"layer.{i}.weight": pool.empty(4, "float32") for i in range(5000)}  # about 1 MB of JSON
     t0 = time.monotonic()
@@ -795,17 +801,15 @@ def test_a_repeat_carries_its_own_meta_exactly(addr: str, pool: SharedPool) -> N
         x.close()
 
 
-def test_close_is_bounded_by_its_timeout_on_a_peer_that_stopped_reading(
-        addr: str, pool: SharedPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dmabuf_interop.channel import channel as channel_mod
-
-    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 0.3)
+def test_close_is_bounded_by_its_timeout_on_a_peer_that_stopped_reading(addr: str, pool: SharedPool,
+                                                                         send_timeout) -> None:
+    send_timeout(0.3)
     listener, prod, cons = pair(addr, pool)
     a = pool.empty(4, "int32")
     with pytest.raises((WaitTimeoutError, PeerClosedError)):
         for _ in range(100_000):  # the consumer never reads: its socket buffer fills
             prod.send(a)
-    monkeypatch.setattr(channel_mod, "SEND_TIMEOUT", 30.0)
+    send_timeout(30.0)
     t0 = time.monotonic()
     prod.close(timeout=0.5)
     assert time.monotonic() - t0 < 2 and prod.closed
