@@ -721,7 +721,7 @@ def test_close_does_not_wait_for_a_send_stuck_on_a_peer_that_stopped_reading(add
     prod.close(timeout=0.5)
     with pytest.raises(PeerClosedError):
         sending(5)  # ended under it
-    assert time.monotonic() - t0 < 5 and prod.closed
+    assert time.monotonic() - t0 < 5 and prod.closed and prod.outstanding == 0  # every lease completed
     with pytest.raises(PeerClosedError):
         cons.recv_many(30)
     for x in (cons, listener):
@@ -814,6 +814,18 @@ def test_close_is_bounded_by_its_timeout_on_a_peer_that_stopped_reading(addr: st
     prod.close(timeout=0.5)
     assert time.monotonic() - t0 < 2 and prod.closed
     cons.close(None)  # no timeout: waits as long as it must
+    listener.close()
+
+
+def test_close_takes_none_or_a_negative_timeout(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send(pool.empty(4, "int32"))
+    prod.close(-0.001)  # "deadline - now", already past: closes without waiting, never raises
+    assert prod.closed
+    lease.wait(5)  # completed by the reader as it ends, just after
+    assert lease.reason == "closed"
+    cons.close(None)
+    assert cons.closed
     listener.close()
 
 

@@ -896,12 +896,13 @@ class Channel:
 
     def _abort(self, exc: BaseException) -> None:
         """End the connection now because of ``exc`` (shut the socket down: the peer sees the end
-        at once, and our reader, or the next read, ends the channel)."""
+        at once, and our reader, or the next read, ends the channel). The caller holds the send lock."""
         self._set_error(exc)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if self._sock.fileno() >= 0:  # the caller holds the send lock, under which _end closes the socket
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _ended(self) -> PeerClosedError:
         """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
@@ -941,7 +942,8 @@ class Channel:
             try:
                 self._send({"kind": "retire", "chunk": chunk_id})
             except WaitTimeoutError as exc:  # the peer took nothing for that long: it would keep the mapping
-                self._abort(exc)
+                with self._send_lock:
+                    self._abort(exc)
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke): the peer unmaps everything anyway
 
@@ -1458,7 +1460,11 @@ class Channel:
                 else:
                     self._send(msg)
             except WaitTimeoutError as exc:  # the exporter took nothing for that long: its blocks would stay lent
-                self._abort(exc)
+                if send_lock_held:
+                    self._abort(exc)
+                else:
+                    with self._send_lock:
+                        self._abort(exc)
             except (DmaBufError, OSError):
                 pass  # the exporter is gone, or the connection broke: it releases everything at the end
 
@@ -1548,7 +1554,7 @@ class Channel:
             with self._state:
                 if lease_id in self._held:
                     raise ProtocolError(f"lease {lease_id} is already held")
-                if descs:
+                if descs and not self._closed:  # (closed: the queue was dropped; the peer releases at the end)
                     self._held.add(lease_id)
                     for chunk in chunks.values():
                         chunk.retain()  # mapped until received, whatever comes after (_make_received)
@@ -1684,7 +1690,7 @@ class Channel:
             return
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
-        deadline = deadline_after(timeout)
+        deadline = deadline_after(None if timeout is None else max(0.0, timeout))  # (a negative one: at once)
         locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:
             if locked:  # the releases and the bye wait for the peer within the same timeout
@@ -1708,14 +1714,15 @@ class Channel:
             reader = self._reader
         if reader is None:
             # No background reader: end the connection here, once no recv() is reading.
-            if self._read_lock.acquire(timeout=-1 if deadline is None else remaining(deadline)):
+            if self._read_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
                 try:
                     if not self._eof:
                         self._end()
                 finally:
                     self._read_lock.release()
         elif threading.current_thread() is not reader:
-            reader.join(remaining(deadline))
+            # Its own wait: the sends above may have used up the first; after the shutdown it ends at once.
+            reader.join(None if timeout is None else max(0.0, timeout))
         with self._state:  # arrays never received: this end will not take them now
             dropped = list(self._queue)
             self._queue.clear()
