@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dmabuf_interop.channel import SharedPool, connect, listen, release_all
 from dmabuf_interop.errors import (InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
@@ -827,6 +829,57 @@ def test_close_takes_none_or_a_negative_timeout(addr: str, pool: SharedPool) -> 
     cons.close(None)
     assert cons.closed
     listener.close()
+
+
+_OPS = st.one_of(
+    st.tuples(st.just("one"), st.integers(0, 5), st.sampled_from([None, {"k": 1}, {"k": 1.0}, {"k": True}])),
+    st.tuples(st.just("batch"), st.sets(st.integers(0, 5), min_size=1), st.sampled_from([None, {"k": 1}])),
+    st.tuples(st.just("renew"), st.integers(0, 5), st.integers(1, 6)),
+    st.tuples(st.just("write"), st.integers(0, 5), st.integers(-100, 100)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_OPS, max_size=40))
+def test_layouts_stay_in_step_whatever_is_sent_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    ops: list) -> None:
+    """Single arrays and batches sent again, renewed and rewritten in any order, past both layout limits
+    (made small here): the two ends keep the same layouts, and every array and meta arrives as sent."""
+    from dmabuf_interop.channel import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "MAX_SINGLE_LAYOUTS", 3)
+    monkeypatch.setattr(channel_mod, "MAX_LAYOUTS", 2)
+    addr = str(tmp_path / f"p{len(ops)}-{os.getpid()}-{time.monotonic_ns()}.sock")
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 22) as pool:
+        listener, prod, cons = pair(addr, pool)
+        ring = [pool.empty(2, "int32") for _ in range(6)]
+        for i, a in enumerate(ring):
+            a[:] = i
+        for op in ops:
+            if op[0] == "renew":
+                ring[op[1]] = pool.empty(op[2], "int32")
+                ring[op[1]][:] = op[1]
+            elif op[0] == "write":
+                ring[op[1]][:] = op[2]
+            elif op[0] == "one":
+                lease = prod.send(ring[op[1]], meta=op[2])
+                with cons.recv(5) as r:
+                    assert np.array_equal(r.as_array(), ring[op[1]]) and r.meta == op[2]
+                    assert type((r.meta or {}).get("k")) is type((op[2] or {}).get("k"))
+                lease.wait(5)
+            else:
+                names = {f"a{i}": ring[i] for i in sorted(op[1])}
+                lease = prod.send_many(names, meta=op[2])
+                got = cons.recv_many(5)
+                assert list(got) == list(names)
+                assert all(np.array_equal(got[n].as_array(), names[n]) for n in names)
+                release_all(got.values())
+                lease.wait(5)
+            assert len(prod._single_layouts_sent) == len(cons._single_layouts) <= 3
+            assert len(prod._layouts_sent) == len(cons._layouts) <= 2
+            assert set(prod._single_layouts_sent.values()) == set(cons._single_layouts)
+            assert set(prod._layouts_sent.values()) == set(cons._layouts)
+        for x in (cons, prod, listener):
+            x.close()
 
 
 def test_as_tensors_gives_what_as_tensor_gives_for_each_item(addr: str, pool: SharedPool) -> None:
