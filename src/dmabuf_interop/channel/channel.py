@@ -40,7 +40,7 @@ from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
 from .protocol import (DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, ArrayDescriptor,
                        parse_message)
-from .wire import send_frame, recv_frame
+from .wire import recv_frame, send_frame, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all"]
 
@@ -862,14 +862,16 @@ class Channel:
 
     # --- sending --------------------------------------------------------------------
 
-    def _send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None) -> None:
+    def _send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False) -> None:
         with self._send_lock:
-            self._send_locked(obj, fd)
+            self._send_locked(obj, fd, essential=essential)
 
     def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None,
-                     timeout: float | None = None) -> None:
+                     timeout: float | None = None, *, essential: bool = False) -> None:
         """Send one message (the caller holds the send lock), waiting at most ``timeout`` seconds
-        (default :data:`SEND_TIMEOUT`) for the peer to take it."""
+        (default :data:`SEND_TIMEOUT`) for the peer to take it. ``essential``: a ``release`` or
+        ``retire``, which the peer must not miss while the connection lasts (its blocks would stay
+        lent, or its mapping kept): one the peer took none of ends the connection too."""
         if self._eof or self._closed or self._sock in _broken_send:
             raise self._ended()
         wait = SEND_TIMEOUT if timeout is None else timeout
@@ -879,14 +881,18 @@ class Channel:
             else:
                 send_message(self._sock, obj, fd, timeout=wait)
         except BaseException as exc:
-            if self._sock not in _broken_send:
+            cut = self._sock in _broken_send
+            if not (cut or (essential and isinstance(exc, WaitTimeoutError))):
                 raise  # nothing of the message went out: the connection is as it was
-            # Cut off after its first byte (a peer that stopped reading, or an interrupt): the stream
-            # is out of step for good. End it: the peer sees the end at once, our reader ends the channel.
+            # Cut off after its first byte (a peer that stopped reading, or an interrupt), the stream
+            # is out of step for good; or an essential message could not go. End it: the peer sees the
+            # end at once, our reader ends the channel.
             self._abort(exc)
             if not isinstance(exc, DmaBufError):
                 raise  # (KeyboardInterrupt and the like stay what they are)
-            raise PeerClosedError(f"a message to the peer was cut off ({exc}): the connection is ended") from exc
+            what = "was cut off" if cut else "could not go"
+            raise PeerClosedError(f"a {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
+                                  f"ended") from exc
 
     def _set_error(self, exc: BaseException) -> None:
         """Record why the connection ends; the first cause is kept (our own shutdown after it
@@ -898,11 +904,7 @@ class Channel:
         """End the connection now because of ``exc`` (shut the socket down: the peer sees the end
         at once, and our reader, or the next read, ends the channel). The caller holds the send lock."""
         self._set_error(exc)
-        if self._sock.fileno() >= 0:  # the caller holds the send lock, under which _end closes the socket
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(self._sock)  # (the caller holds the send lock, under which _end closes the socket)
 
     def _ended(self) -> PeerClosedError:
         """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
@@ -940,12 +942,9 @@ class Channel:
         if chunk_id in self._announced:
             self._announced.discard(chunk_id)
             try:
-                self._send({"kind": "retire", "chunk": chunk_id})
-            except WaitTimeoutError as exc:  # the peer took nothing for that long: it would keep the mapping
-                with self._send_lock:
-                    self._abort(exc)
+                self._send({"kind": "retire", "chunk": chunk_id}, essential=True)
             except (DmaBufError, OSError):
-                pass  # the connection has ended (or broke): the peer unmaps everything anyway
+                pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
     def _find(self, array: Any) -> list[Any]:
         """``[source, itemsize, span, block]`` for a caller's array: ``block`` is the pool block that
@@ -1456,17 +1455,11 @@ class Channel:
             msg = {"kind": "release", "leases": ids}
             try:
                 if send_lock_held:
-                    self._send_locked(msg, timeout=timeout)
+                    self._send_locked(msg, timeout=timeout, essential=True)
                 else:
-                    self._send(msg)
-            except WaitTimeoutError as exc:  # the exporter took nothing for that long: its blocks would stay lent
-                if send_lock_held:
-                    self._abort(exc)
-                else:
-                    with self._send_lock:
-                        self._abort(exc)
+                    self._send(msg, essential=True)
             except (DmaBufError, OSError):
-                pass  # the exporter is gone, or the connection broke: it releases everything at the end
+                pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
 
     def _flush_loop(self) -> None:
         while True:
@@ -1690,7 +1683,8 @@ class Channel:
             return
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
-        deadline = deadline_after(None if timeout is None else max(0.0, timeout))  # (a negative one: at once)
+        wait = None if timeout is None else max(0.0, timeout)  # (a negative one: none left)
+        deadline = deadline_after(wait)
         locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:
             if locked:  # the releases and the bye wait for the peer within the same timeout
@@ -1701,10 +1695,7 @@ class Channel:
                     pass  # the peer is gone, or not reading, or the connection broke: ended below all the same
             self._closed = True
             if not self._eof:
-                try:
-                    self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader, which closes the socket
-                except OSError:
-                    pass
+                shut_down(self._sock)  # wakes the reader (and a stuck sender); the reader closes the socket
         finally:
             if locked:
                 self._send_lock.release()
@@ -1714,7 +1705,7 @@ class Channel:
             reader = self._reader
         if reader is None:
             # No background reader: end the connection here, once no recv() is reading.
-            if self._read_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            if self._read_lock.acquire(timeout=-1 if wait is None else wait):
                 try:
                     if not self._eof:
                         self._end()
@@ -1722,7 +1713,7 @@ class Channel:
                     self._read_lock.release()
         elif threading.current_thread() is not reader:
             # Its own wait: the sends above may have used up the first; after the shutdown it ends at once.
-            reader.join(None if timeout is None else max(0.0, timeout))
+            reader.join(wait)
         with self._state:  # arrays never received: this end will not take them now
             dropped = list(self._queue)
             self._queue.clear()

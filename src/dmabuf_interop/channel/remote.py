@@ -43,7 +43,7 @@ from .channel import MAX_CHUNKS, Channel, PeerInfo, Received, _Hold
 from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import Block, SharedPool, chunk_ids
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, _int, _keys, visible_gpu_uuids
-from .wire import recv_frame, send_frame
+from .wire import recv_frame, send_frame, shut_down
 
 __all__ = ["RemoteChannel", "RemoteListener", "listen_remote", "connect_remote", "is_remote", "nixl_module",
            "ucx_read_transports", "NIXL_EXTRA"]
@@ -620,11 +620,7 @@ class RemoteListener(ListenerBase):
     def close(self) -> None:
         """Stop listening (idempotent); a thread waiting in :meth:`accept` is woken."""
         self._stopped = True
-        if self._sock.fileno() >= 0:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes poll() in accept (closing the fd would not)
-            except OSError:
-                pass
+        shut_down(self._sock)  # wakes a thread waiting in accept()
         self._sock.close()
 
     @property

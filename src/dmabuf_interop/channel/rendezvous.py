@@ -27,7 +27,7 @@ from .channel import Channel, PeerInfo
 from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import SharedPool
 from .protocol import visible_gpu_uuids
-from .wire import send_frame
+from .wire import send_frame, shut_down
 
 __all__ = ["listen", "connect", "Listener"]
 
@@ -117,10 +117,7 @@ class Listener(ListenerBase):
 
     @staticmethod
     def _cleanup(sock: socket.socket, path: str | None, ino: tuple[int, int] | None) -> None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in accept() (closing the fd would not)
-        except OSError:
-            pass
+        shut_down(sock)  # wakes a thread waiting in accept()
         sock.close()
         if path is not None and ino is not None:
             _unlink_if_ours(path, ino)

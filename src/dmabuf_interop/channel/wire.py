@@ -18,7 +18,7 @@ from ..errors import InvalidArgumentError
 from ..fdpass import _family, _recv_framed, _send_all, encode_message, recv_message, send_message
 from .protocol import MAX_PARTS
 
-__all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
+__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "shut_down"]
 
 #: Largest JSON body of one channel message, in bytes.
 MAX_FRAME = 16 * 1024 * 1024
@@ -63,3 +63,14 @@ def _tcp(sock: socket.socket) -> socket.socket:
     if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
         raise InvalidArgumentError(f"a channel connection is an AF_UNIX or TCP stream socket, not {sock!r}")
     return sock
+
+
+def shut_down(sock: socket.socket) -> None:
+    """``shutdown(SHUT_RDWR)`` of ``sock``, if it is still open, ignoring a connection already gone: a
+    thread waiting in ``poll`` on it (``accept``, a send to a peer that stopped reading, a reader)
+    wakes, which closing the fd would not do, and a connected peer sees the end at once."""
+    if sock.fileno() >= 0:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
