@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import copy
 import dataclasses
 import gc
 import itertools
@@ -902,8 +903,10 @@ class Channel:
 
     def _abort(self, exc: BaseException) -> None:
         """End the connection now because of ``exc`` (shut the socket down: the peer sees the end
-        at once, and our reader, or the next read, ends the channel). The caller holds the send lock."""
-        self._set_error(exc)
+        at once, and our reader, or the next read, ends the channel). The caller holds the send lock.
+        Kept without its traceback (a copy): that would hold the sender's frames, and with them its
+        arrays and their pool chunks, for as long as the channel lives."""
+        self._set_error(copy.copy(exc))
         shut_down(self._sock)  # (the caller holds the send lock, under which _end closes the socket)
 
     def _ended(self) -> PeerClosedError:
