@@ -442,6 +442,175 @@ def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[in
     return chunk, flags
 
 
+class FrameReader:
+    """Framed messages from one connected stream socket, read through a buffer: one ``recvmsg`` takes
+    every message that has arrived, so a burst of pipelined messages costs one call rather than two
+    per message (header, then body). Same frames, errors and fd rules as :func:`recv_message`.
+
+    The fds of a message ride on its first byte. On an AF_UNIX stream socket Linux ends a
+    ``recvmsg`` with the segment that carried fds (``unix_stream_read_generic``, net/unix/af_unix.c:
+    it stops once ``scm.fp`` is set), and a sender's segment holds bytes of one message only; so the
+    fds of a read belong to the last message that begins in it. Fds in a read in which no message
+    begins are a ProtocolError. (A peer that puts fds on a later byte of a message may so have them
+    taken as that message's: its receiver accepts fds only on messages that expect them, which the
+    peer could have sent them with anyway.)
+
+    Once a reader has read a socket, nothing else may read it: bytes of later messages may wait in
+    the buffer. Not thread-safe: one reader at a time (the caller holds a lock).
+
+    Args:
+        sock: a connected stream socket (AF_UNIX, or TCP with ``max_fds=0``).
+        max_fds: the most fds one message may carry.
+        max_bytes: the largest JSON body accepted.
+        rest_timeout: seconds the rest of a message may take once its first byte is here.
+        bufsize: bytes asked of each ``recvmsg`` beyond the message being completed.
+    """
+
+    def __init__(self, sock: socket.socket, *, max_fds: int, max_bytes: int, rest_timeout: float | None,
+                 bufsize: int = 16384) -> None:
+        self.sock = sock
+        self.max_fds = max_fds
+        self.max_bytes = max_bytes
+        self.rest_timeout = rest_timeout
+        self.bufsize = bufsize
+        self._buf = bytearray()
+        self._pos = 0  # where the next message begins in _buf
+        self._fds: dict[int, list[int]] = {}  # fds by the offset in _buf of the message they rode on
+        self._rest_deadline: float | None = None  # set while part of a message is here
+
+    def pending_fds(self) -> int:
+        """Fds received and not yet handed out (they are closed by :meth:`discard`)."""
+        return sum(map(len, self._fds.values()))
+
+    def discard(self) -> None:
+        """Drop what is buffered and close the fds that came with it (the connection is over)."""
+        for fds in self._fds.values():
+            close_fds(fds)
+        self._fds.clear()
+        self._buf.clear()
+        self._pos = 0
+
+    def _complete(self) -> tuple[int, int] | None:
+        """``(start, end)`` of the next message if all of it is buffered, else None; a length over
+        ``max_bytes`` is a ProtocolError."""
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < _HEADER.size:
+            return None
+        (n,) = _HEADER.unpack_from(buf, pos)
+        if n > self.max_bytes:
+            raise ProtocolError(f"frame announces {n} bytes, more than {self.max_bytes}")
+        end = pos + _HEADER.size + n
+        return (pos, end) if len(buf) >= end else None
+
+    def _last_start(self, since: int) -> int | None:
+        """The offset of the last message that begins at or after ``since`` in the buffer."""
+        buf, at, last = self._buf, self._pos, None
+        while at < len(buf):
+            if at >= since:
+                last = at
+            if len(buf) - at < _HEADER.size:
+                break
+            (n,) = _HEADER.unpack_from(buf, at)
+            at += _HEADER.size + n
+        return last
+
+    def _fill(self, deadline: float | None, need: int) -> None:
+        """One ``recvmsg`` of at least ``need`` bytes' room (MSG_DONTWAIT first, then ``poll``)."""
+        sock, fds = self.sock, []
+        size = max(need, self.bufsize)
+        began = self._pos < len(self._buf)
+        what = "the rest of a message" if began else "a message"
+        try:
+            if _timeout_mode(sock):
+                _wait_readable(sock, deadline, what)
+                data, flags = _recvmsg(sock, size, fds)
+            else:
+                try:
+                    data, flags = _recvmsg(sock, size, fds, _DONTWAIT)
+                except BlockingIOError:
+                    _wait_readable(sock, deadline, what)
+                    data, flags = _recvmsg(sock, size, fds)
+            if flags & _CTRUNC:
+                narrived = len(fds)
+                close_fds(fds)  # first: at the limit, counting open fds needs a free one
+                fds.clear()
+                limit = _fd_limit_error(narrived)
+                if limit is not None:
+                    raise limit
+                raise ProtocolError(f"control message truncated (MSG_CTRUNC): the kernel had more control data "
+                                    f"than fits in {_CMSG_BUFSIZE} bytes; {narrived} fd(s) arrived and were closed")
+            if not data:
+                if fds:
+                    raise ProtocolError("fds arrived with no message bytes")
+                if began:
+                    raise PeerClosedError("peer closed the socket in the middle of a message")
+                raise PeerClosedError("peer closed the socket before sending a message")
+            since = len(self._buf)
+            self._buf += data
+            if fds:
+                at = self._last_start(since)
+                if at is None:
+                    raise ProtocolError("fds arrived after the first byte of a message; all were closed")
+                self._fds[at] = fds
+        except BaseException:
+            close_fds(fds)
+            raise
+
+    def read(self, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
+        """The next message and the fds that rode on it (the caller owns them). ``timeout`` bounds
+        the wait for a message to begin; once begun, its rest has ``rest_timeout`` seconds.
+
+        Raises: as :func:`recv_message`. A failure in the middle of a message, or a bad length,
+        marks the connection broken for reading (every later call raises).
+        """
+        sock = self.sock
+        _check_in_step(sock, _broken_recv, "receive")
+        deadline = _deadline(timeout)
+        try:
+            while True:
+                span = self._complete()
+                if span is not None:
+                    break
+                if self._pos < len(self._buf):  # part of a message is here: its rest has its own time
+                    if self._rest_deadline is None:
+                        self._rest_deadline = _deadline(self.rest_timeout)
+                    wait = self._rest_deadline
+                else:
+                    wait = deadline
+                need = _HEADER.size
+                if len(self._buf) - self._pos >= _HEADER.size:
+                    need = _HEADER.size + _HEADER.unpack_from(self._buf, self._pos)[0]
+                self._fill(wait, need - (len(self._buf) - self._pos))
+        except WaitTimeoutError as exc:
+            if self._pos < len(self._buf):
+                _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
+            raise
+        except BaseException as exc:
+            _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
+            raise
+        start, end = span
+        self._rest_deadline = None
+        fds = self._fds.pop(start, [])
+        frame = bytes(self._buf[start:end])
+        if end == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif end > (1 << 20):  # drop what was read, now and then, not on every message
+            del self._buf[:end]
+            self._fds = {at - end: f for at, f in self._fds.items()}
+            self._pos = 0
+        else:
+            self._pos = end
+        try:
+            if len(fds) > self.max_fds:
+                raise ProtocolError(f"message carried {len(fds)} fds, at most {self.max_fds} expected; "
+                                    "all were closed")
+            return decode_message(frame, self.max_bytes), fds
+        except BaseException:
+            close_fds(fds)
+            raise
+
+
 def send_fd(sock: socket.socket, fd: int, meta: dict[str, Any] | None = None, *,
             timeout: float | None = DEFAULT_TIMEOUT) -> None:
     """Send ``fd`` (and an optional JSON object ``meta``) over ``sock``.

@@ -41,7 +41,7 @@ from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
 from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
 from .protocol import (DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, ArrayDescriptor,
                        parse_message)
-from .wire import recv_frame, send_frame, shut_down
+from .wire import frame_reader, send_frame, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all"]
 
@@ -848,6 +848,7 @@ class Channel:
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
         self._read_lock = threading.Lock()
+        self._frames = frame_reader(sock)  # buffered: a burst of messages costs one recvmsg
         self._reader: threading.Thread | None = None
         if pool is not None:
             pool._register_channel(self)
@@ -1487,7 +1488,7 @@ class Channel:
         if self._eof:
             return True
         try:
-            msg, fds = recv_frame(self._sock, remaining(deadline))
+            msg, fds = self._frames.read(remaining(deadline))
         except WaitTimeoutError as exc:
             if self._sock not in _broken_recv:
                 return False  # nothing began to arrive
@@ -1650,7 +1651,8 @@ class Channel:
         return gpus.index(uuid)
 
     def _end(self) -> None:
-        """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket."""
+        """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket
+        and the fds of messages read into the buffer and not handled. The caller holds ``_read_lock``."""
         with self._send_lock:
             self._memos.clear()
             with self._state:
@@ -1663,6 +1665,7 @@ class Channel:
                 self._sock.close()
             except OSError:
                 pass
+        self._frames.discard()
         for lease in leases:
             lease._complete("closed" if self._closed else "disconnected")
         for chunk in list(self._imports.values()):

@@ -15,10 +15,10 @@ from typing import Any
 
 from .._time import deadline_after
 from ..errors import InvalidArgumentError
-from ..fdpass import _family, _recv_framed, _send_all, encode_message, recv_message, send_message
+from ..fdpass import FrameReader, _family, _recv_framed, _send_all, encode_message, recv_message, send_message
 from .protocol import MAX_PARTS
 
-__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "shut_down"]
+__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "frame_reader", "shut_down"]
 
 #: Largest JSON body of one channel message, in bytes.
 MAX_FRAME = 16 * 1024 * 1024
@@ -55,6 +55,15 @@ def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, An
     if _family(sock) == socket.AF_UNIX:
         return recv_message(sock, timeout, max_fds=MAX_PARTS, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
     return _recv_framed(_tcp(sock), deadline_after(timeout), 0, MAX_FRAME, REST_TIMEOUT)
+
+
+def frame_reader(sock: socket.socket) -> FrameReader:
+    """A buffered reader of the messages on ``sock`` (:class:`..fdpass.FrameReader`), with the limits of
+    :func:`recv_frame`: at most :data:`.protocol.MAX_PARTS` fds on an AF_UNIX socket, none on TCP. Once
+    it has read, only it may read ``sock``."""
+    if _family(sock) == socket.AF_UNIX:
+        return FrameReader(sock, max_fds=MAX_PARTS, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
+    return FrameReader(_tcp(sock), max_fds=0, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
 
 
 def _tcp(sock: socket.socket) -> socket.socket:
