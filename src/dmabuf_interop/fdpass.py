@@ -328,6 +328,19 @@ def _fd_limit_error(narrived: int) -> FdLimitError | None:
                         f"and its RLIMIT_NOFILE soft limit is {soft}; {narrived} fd(s) arrived and were closed")
 
 
+def _truncated(fds: list[int]) -> None:
+    """A read came back with ``MSG_CTRUNC``: close (and clear) the ``fds`` that arrived and raise
+    :class:`FdLimitError` when this process is at its fd limit, else ProtocolError."""
+    narrived = len(fds)
+    close_fds(fds)  # first: at the limit, counting open fds needs a free one
+    fds.clear()
+    limit = _fd_limit_error(narrived)
+    if limit is not None:
+        raise limit
+    raise ProtocolError(f"control message truncated (MSG_CTRUNC): the kernel had more control data "
+                        f"than fits in {_CMSG_BUFSIZE} bytes; {narrived} fd(s) arrived and were closed")
+
+
 def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *, max_fds: int = 1,
                  max_bytes: int = MAX_MESSAGE, rest_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """Receive one framed message and the fds that rode on it.
@@ -406,14 +419,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
         if len(data) > want:
             raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
         if flags & _CTRUNC:
-            narrived = len(fds)
-            close_fds(fds)  # first: at the limit, counting open fds needs a free one
-            fds.clear()
-            limit = _fd_limit_error(narrived)
-            if limit is not None:
-                raise limit
-            raise ProtocolError(f"control message truncated (MSG_CTRUNC): the kernel had more control data "
-                                f"than fits in {_CMSG_BUFSIZE} bytes; {narrived} fd(s) arrived and were closed")
+            _truncated(fds)
         if len(fds) > first_fds:
             raise ProtocolError("fds arrived after the first byte of a message; all were closed")
         if len(fds) > max_fds:
@@ -531,14 +537,7 @@ class FrameReader:
                     _wait_readable(sock, deadline, what)
                     data, flags = _recvmsg(sock, size, fds)
             if flags & _CTRUNC:
-                narrived = len(fds)
-                close_fds(fds)  # first: at the limit, counting open fds needs a free one
-                fds.clear()
-                limit = _fd_limit_error(narrived)
-                if limit is not None:
-                    raise limit
-                raise ProtocolError(f"control message truncated (MSG_CTRUNC): the kernel had more control data "
-                                    f"than fits in {_CMSG_BUFSIZE} bytes; {narrived} fd(s) arrived and were closed")
+                _truncated(fds)
             if not data:
                 if fds:
                     raise ProtocolError("fds arrived with no message bytes")
