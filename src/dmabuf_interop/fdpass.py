@@ -481,18 +481,26 @@ class FrameReader:
         self.bufsize = bufsize
         self._buf = bytearray()
         self._pos = 0  # where the next message begins in _buf
-        self._fds: dict[int, list[int]] = {}  # fds by the offset in _buf of the message they rode on
+        # By the offset in _buf of the message they rode on: its fds, and the error to raise for it
+        # when the kernel truncated them (MSG_CTRUNC), raised once the messages before it are delivered.
+        self._fds: dict[int, tuple[list[int], DmaBufError | None]] = {}
         self._rest_deadline: float | None = None  # set while part of a message is here
+        # Buffered fds are plain ints: a reader dropped without discard() still closes them.
+        self._finalizer = weakref.finalize(self, FrameReader._close_all, self._fds)
+
+    @staticmethod
+    def _close_all(table: dict[int, tuple[list[int], DmaBufError | None]]) -> None:
+        for fds, _ in table.values():
+            close_fds(fds)
+        table.clear()
 
     def pending_fds(self) -> int:
         """Fds received and not yet handed out (they are closed by :meth:`discard`)."""
-        return sum(map(len, self._fds.values()))
+        return sum(len(fds) for fds, _ in self._fds.values())
 
     def discard(self) -> None:
         """Drop what is buffered and close the fds that came with it (the connection is over)."""
-        for fds in self._fds.values():
-            close_fds(fds)
-        self._fds.clear()
+        FrameReader._close_all(self._fds)
         self._buf.clear()
         self._pos = 0
 
@@ -536,21 +544,25 @@ class FrameReader:
                 except BlockingIOError:
                     _wait_readable(sock, deadline, what)
                     data, flags = _recvmsg(sock, size, fds)
-            if flags & _CTRUNC:
-                _truncated(fds)
             if not data:
-                if fds:
+                if fds or flags & _CTRUNC:
                     raise ProtocolError("fds arrived with no message bytes")
                 if began:
                     raise PeerClosedError("peer closed the socket in the middle of a message")
                 raise PeerClosedError("peer closed the socket before sending a message")
             since = len(self._buf)
-            self._buf += data
-            if fds:
+            self._buf += data  # first: messages complete before a truncated one are still delivered
+            if fds or flags & _CTRUNC:
+                err = None
+                if flags & _CTRUNC:
+                    try:
+                        _truncated(fds)  # closes them now: at the fd limit every free fd counts
+                    except DmaBufError as exc:
+                        err = exc
                 at = self._last_start(since)
                 if at is None:
-                    raise ProtocolError("fds arrived after the first byte of a message; all were closed")
-                self._fds[at] = fds
+                    raise err or ProtocolError("fds arrived after the first byte of a message; all were closed")
+                self._fds[at] = (fds, err)
         except BaseException:
             close_fds(fds)
             raise
@@ -559,8 +571,9 @@ class FrameReader:
         """The next message and the fds that rode on it (the caller owns them). ``timeout`` bounds
         the wait for a message to begin; once begun, its rest has ``rest_timeout`` seconds.
 
-        Raises: as :func:`recv_message`. A failure in the middle of a message, or a bad length,
-        marks the connection broken for reading (every later call raises).
+        Raises: as :func:`recv_message`; FdLimitError (or ProtocolError) for a message whose fds the
+        kernel truncated (``MSG_CTRUNC``), after the messages before it. A failure in the middle of
+        a message, or a bad length, marks the connection broken for reading (every later call raises).
         """
         sock = self.sock
         _check_in_step(sock, _broken_recv, "receive")
@@ -580,27 +593,30 @@ class FrameReader:
                 if len(self._buf) - self._pos >= _HEADER.size:
                     need = _HEADER.size + _HEADER.unpack_from(self._buf, self._pos)[0]
                 self._fill(wait, need - (len(self._buf) - self._pos))
-        except WaitTimeoutError as exc:
+        except BaseException as exc:
+            # Only a message left part-read puts the stream out of step: a wait for one to begin that
+            # timed out or was interrupted (KeyboardInterrupt) leaves the connection as it was.
             if self._pos < len(self._buf):
                 _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
             raise
-        except BaseException as exc:
-            _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
-            raise
         start, end = span
         self._rest_deadline = None
-        fds = self._fds.pop(start, [])
+        fds, err = self._fds.pop(start, None) or ([], None)
         frame = bytes(self._buf[start:end])
         if end == len(self._buf):
             self._buf.clear()
             self._pos = 0
         elif end > (1 << 20):  # drop what was read, now and then, not on every message
             del self._buf[:end]
-            self._fds = {at - end: f for at, f in self._fds.items()}
+            moved = {at - end: entry for at, entry in self._fds.items()}
+            self._fds.clear()  # in place: the finalizer holds this dict
+            self._fds.update(moved)
             self._pos = 0
         else:
             self._pos = end
         try:
+            if err is not None:
+                raise err  # the kernel truncated this message's fds (those that came are closed)
             if len(fds) > self.max_fds:
                 raise ProtocolError(f"message carried {len(fds)} fds, at most {self.max_fds} expected; "
                                     "all were closed")

@@ -154,3 +154,79 @@ def test_what_recv_message_reads_first_is_not_read_again(pair):
     send_message(a, {"then": 2}, timeout=5)
     assert recv_message(b, 5) == ({"hello": 1}, [])
     assert _reader(b).read(5) == ({"then": 2}, [])
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_wait_for_a_message_leaves_the_connection_usable(pair):
+    """A signal handler's exception (as Ctrl-C's) while nothing has arrived loses nothing."""
+    import signal
+
+    a, b = pair
+    r = _reader(b)
+
+    def handler(*_):
+        raise _Interrupt
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(_Interrupt):
+            r.read(5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    send_message(a, {"hello": 1}, timeout=5)
+    assert r.read(5) == ({"hello": 1}, [])
+
+
+def test_fds_truncated_at_the_fd_limit_fail_their_own_message_only(pair):
+    """A, then B with 3 fds, then C, read by a process with room for one more fd: A arrives, B raises
+    FdLimitError (the fd that came is closed), C arrives, as with recv_message."""
+    import resource
+
+    a, b = pair
+    fds = [_memfd(i) for i in range(3)]
+    send_message(a, {"m": "A"}, timeout=5)
+    send_message(a, {"m": "B"}, fds, timeout=5)
+    send_message(a, {"m": "C"}, timeout=5)
+    for fd in fds:
+        os.close(fd)
+    r = _reader(b)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(x) for x in os.listdir("/proc/self/fd"))
+    fillers = []
+    while True:  # fill every free number below the highest open fd
+        fd = os.dup(0)
+        if fd > top:
+            os.close(fd)
+            break
+        fillers.append(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 2, hard))  # room for 1 of the 3 fds
+    try:
+        got = [r.read(5)]
+        with pytest.raises(errors.FdLimitError):
+            r.read(5)
+        got.append(r.read(5))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
+    assert got == [({"m": "A"}, []), ({"m": "C"}, [])]
+
+
+def test_a_reader_dropped_with_buffered_fds_closes_them(pair):
+    import gc
+
+    a, b = pair
+    fd = _memfd(5)
+    socket.send_fds(a, [HEADER.pack(100) + b"{"], [fd])  # a message begun, its rest not yet here
+    os.close(fd)
+    r = _reader(b, rest_timeout=0.1)
+    with pytest.raises(errors.WaitTimeoutError):
+        r.read(5)
+    assert r.pending_fds() == 1
+    del r
+    gc.collect()  # the fixture checks the fd went
