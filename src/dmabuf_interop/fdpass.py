@@ -168,7 +168,7 @@ def encode_message(obj: dict[str, Any], max_bytes: int = MAX_MESSAGE) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def decode_message(frame: bytes, max_bytes: int = MAX_MESSAGE) -> dict[str, Any]:
+def decode_message(frame: bytes | bytearray, max_bytes: int = MAX_MESSAGE) -> dict[str, Any]:
     """Inverse of :func:`encode_message` for one complete frame.
 
     Raises:
@@ -313,6 +313,21 @@ def _recvmsg(sock: socket.socket, bufsize: int, fds: list[int], call_flags: int 
     return data, flags
 
 
+def _recvmsg_ready(sock: socket.socket, bufsize: int, fds: list[int], deadline: float | None,
+                   what: str) -> tuple[bytes, int]:
+    """:func:`_recvmsg` once ``sock`` is readable, waiting until ``deadline`` for ``what``: tried at once
+    (``MSG_DONTWAIT``: data already waiting costs one call, no ``poll``) and polled on ``EAGAIN``; a
+    socket in timeout mode is polled first (:func:`_timeout_mode`)."""
+    if _timeout_mode(sock):
+        _wait_readable(sock, deadline, what)
+        return _recvmsg(sock, bufsize, fds)
+    try:
+        return _recvmsg(sock, bufsize, fds, _DONTWAIT)
+    except BlockingIOError:
+        _wait_readable(sock, deadline, what)
+        return _recvmsg(sock, bufsize, fds)
+
+
 def _fd_limit_error(narrived: int) -> FdLimitError | None:
     """The :class:`FdLimitError` when this process is at its ``RLIMIT_NOFILE``, after the ``narrived``
     fds of a truncated message were closed; ``None`` when it is not (the sender sent too many)."""
@@ -388,15 +403,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
     # (and any fd riding on it) is never swallowed together with this one.
     first = _HEADER.size if stream else _HEADER.size + max_bytes
     try:
-        if _timeout_mode(sock):
-            _wait_readable(sock, deadline, "a message")
-            data, flags = _recvmsg(sock, first, fds)
-        else:
-            try:  # a message already waiting costs one recvmsg, no poll
-                data, flags = _recvmsg(sock, first, fds, _DONTWAIT)
-            except BlockingIOError:
-                _wait_readable(sock, deadline, "a message")
-                data, flags = _recvmsg(sock, first, fds)
+        data, flags = _recvmsg_ready(sock, first, fds, deadline, "a message")
         if rest_timeout is not None:
             deadline = _deadline(rest_timeout)
         if not data:
@@ -434,15 +441,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
 
 def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> tuple[bytes, int]:
     """Up to ``n`` more bytes of a message already begun (fds that ride on them go to ``fds``)."""
-    if _timeout_mode(sock):
-        _wait_readable(sock, deadline, "the rest of a message")
-        chunk, flags = _recvmsg(sock, n, fds)
-    else:
-        try:
-            chunk, flags = _recvmsg(sock, n, fds, _DONTWAIT)
-        except BlockingIOError:
-            _wait_readable(sock, deadline, "the rest of a message")
-            chunk, flags = _recvmsg(sock, n, fds)
+    chunk, flags = _recvmsg_ready(sock, n, fds, deadline, "the rest of a message")
     if not chunk:
         raise PeerClosedError("peer closed the socket in the middle of a message")
     return chunk, flags
@@ -535,15 +534,7 @@ class FrameReader:
         began = self._pos < len(self._buf)
         what = "the rest of a message" if began else "a message"
         try:
-            if _timeout_mode(sock):
-                _wait_readable(sock, deadline, what)
-                data, flags = _recvmsg(sock, size, fds)
-            else:
-                try:
-                    data, flags = _recvmsg(sock, size, fds, _DONTWAIT)
-                except BlockingIOError:
-                    _wait_readable(sock, deadline, what)
-                    data, flags = _recvmsg(sock, size, fds)
+            data, flags = _recvmsg_ready(sock, size, fds, deadline, what)
             if not data:
                 if fds or flags & _CTRUNC:
                     raise ProtocolError("fds arrived with no message bytes")
@@ -602,7 +593,7 @@ class FrameReader:
         start, end = span
         self._rest_deadline = None
         fds, err = self._fds.pop(start, None) or ([], None)
-        frame = bytes(self._buf[start:end])
+        frame = self._buf[start:end]  # (a copy: the buffer is cleared or moved on below)
         if end == len(self._buf):
             self._buf.clear()
             self._pos = 0
