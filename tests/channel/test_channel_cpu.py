@@ -682,6 +682,22 @@ def test_torch_lazy_conjugates_are_refused_and_parameters_copied(addr: str, pool
         x.close()
 
 
+def test_host_bfloat16_arrives_as_torch_bfloat16(addr: str, pool: SharedPool) -> None:
+    """NumPy has no bfloat16: the host view is read as int16 and re-viewed, a transposed one too."""
+    torch = pytest.importorskip("torch")
+    listener, prod, cons = pair(addr, pool)
+    x = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) / 4
+    for sent in (x, x.t()):
+        lease = prod.send(sent)
+        with cons.recv(5) as got:
+            y = got.as_tensor()
+            assert y.dtype == torch.bfloat16 and torch.equal(y, sent)
+            del y
+        lease.wait(5)
+    for c in (cons, prod, listener):
+        c.close()
+
+
 @pytest.fixture
 def send_timeout(monkeypatch: pytest.MonkeyPatch):
     """Sets, for one test, how long a send waits for a peer that takes nothing (``SEND_TIMEOUT``)."""

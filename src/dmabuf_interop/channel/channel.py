@@ -412,10 +412,15 @@ class Received:
 
         d = self.descriptor
         if self.device < 0:
-            dt = numpy_dtype(d.dtype)
-            keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
-            return np.asarray(HostView(self._ptr, d.shape, d.strides, dt.str, keep))
+            return self._host_view(numpy_dtype(d.dtype).str)
         return self._device_view(np.dtype("uint16") if d.dtype == "bfloat16" else np.dtype(d.dtype))
+
+    def _host_view(self, typestr: str) -> Any:
+        import numpy as np
+
+        d = self.descriptor
+        keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
+        return np.asarray(HostView(self._ptr, d.shape, d.strides, typestr, keep))
 
     def _device_view(self, dt: Any) -> Any:
         from cuda.core.utils import StridedMemoryView
@@ -447,9 +452,7 @@ class Received:
 
         if d.dtype == "bfloat16":
             if self.device < 0:
-                keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
-                raw = np.asarray(HostView(self._ptr, d.shape, d.strides, "<i2", keep))
-                return torch.from_numpy(raw).view(torch.bfloat16)
+                return torch.from_numpy(self._host_view("<i2")).view(torch.bfloat16)
             return torch.from_dlpack(self._device_view(np.dtype("int16"))).view(torch.bfloat16)
         if self.device < 0:
             return torch.from_numpy(self.as_array())
