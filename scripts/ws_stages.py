@@ -36,8 +36,9 @@ def stages(workload: str, device: int, consumer: int, steps: int) -> None:
     from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen, release_all
     from dmabuf_interop.cli.bench.weight_sync import model_shapes
 
-    names = [n for n, _ in model_shapes(workload)]
-    shapes = [(64,) if len(s) == 1 else (16, 16) for _, s in model_shapes(workload)]
+    model = model_shapes(workload)
+    names = [n for n, _ in model]
+    shapes = [(64,) if len(s) == 1 else (16, 16) for _, s in model]
     torch.cuda.set_device(device)
     folder = tempfile.TemporaryDirectory(prefix="ws-stages-")
     address = os.path.join(folder.name, "channel.sock")
