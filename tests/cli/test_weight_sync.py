@@ -167,8 +167,8 @@ def test_a_child_killed_by_a_signal_is_reported_as_such_not_as_echild() -> None:
 @pytest.mark.parametrize("workload", ["ws-8b", "ws-moe"])
 def test_a_step_is_cut_into_batches_that_keep_the_order_and_end_with_the_checksums(workload: str) -> None:
     from dmabuf_interop.channel.protocol import MAX_LAYOUTS
-    from dmabuf_interop.cli.bench.weight_sync import (COPY_BUCKETS, HANDOFF_BUCKET_ITEMS, SUMS, _buckets,
-                                                       model_shapes)
+    from dmabuf_interop.cli.bench.weight_sync import (COPY_BUCKETS, COPY_FIRST_SHARE, HANDOFF_BUCKET_ITEMS, SUMS,
+                                                       _buckets, model_shapes, payload_bytes)
 
     shapes = model_shapes(workload)
     state = {n: object() for n, _ in shapes}
@@ -179,5 +179,10 @@ def test_a_step_is_cut_into_batches_that_keep_the_order_and_end_with_the_checksu
         assert all(part[n] is state[n] for part in parts for n in part)
     assert all(len(part) <= HANDOFF_BUCKET_ITEMS for part in handoff[:-1])
     assert len(handoff) == -(-len(shapes) // HANDOFF_BUCKET_ITEMS)
-    assert 1 < len(copy) <= COPY_BUCKETS
+    assert 1 < len(copy) <= COPY_BUCKETS + 1
+    # copy: a small first batch, so the engine's first copy starts after a short hand-off
+    sizes = dict(shapes)
+    first = [2 * math.prod(sizes[n]) for n in copy[0]]
+    total = payload_bytes(shapes)
+    assert sum(first[:-1]) < total * COPY_FIRST_SHARE <= sum(first) < total / COPY_BUCKETS
     assert len(handoff) + len(copy) <= MAX_LAYOUTS  # every layout of a run stays known to the engine

@@ -58,9 +58,13 @@ SUMS = "__checksums__"
 #: hand-off: a step's state dict goes as batches of at most this many tensors, so that the engine
 #: builds the tensors of one while the trainer sends the next.
 HANDOFF_BUCKET_ITEMS = 4096
-#: copy: a step's state dict goes as this many batches of about equal bytes, so that the engine's
-#: copies of one run while the next is handed over (within the layouts a channel remembers).
+#: copy: a step's state dict goes as a small first batch, then this many batches of about equal bytes,
+#: so that the engine's copies of one run while the next is handed over (within the layouts a channel
+#: remembers).
 COPY_BUCKETS = 8
+#: copy: the first batch closes at this share of the payload (at least one tensor): the GPU starts
+#: copying after a short hand-off, and copying it still outlasts the hand-off of the next batch.
+COPY_FIRST_SHARE = 1 / 16
 
 # Public config numbers (Qwen3-8B, Qwen3-30B-A3B); "small" keeps the layout at a few MB.
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -116,13 +120,16 @@ def model_shapes(workload: str, small: bool = False) -> list[tuple[str, tuple[in
 
 def _buckets(state: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]], variant: str) -> list[dict[str, Any]]:
     """A step's batches, in order, the checksums in the last: :data:`HANDOFF_BUCKET_ITEMS` tensors each
-    (hand-off), or :data:`COPY_BUCKETS` of about equal bytes (copy)."""
+    (hand-off), or (copy) a first batch of :data:`COPY_FIRST_SHARE` of the bytes, then
+    :data:`COPY_BUCKETS` of about equal bytes."""
     out: list[dict[str, Any]] = [{}]
-    goal = payload_bytes(shapes) / COPY_BUCKETS
+    total = payload_bytes(shapes)
+    first = total * COPY_FIRST_SHARE
+    each = (total - first) / COPY_BUCKETS
     filled = 0
     for name, shape in shapes:
         full = (len(out[-1]) >= HANDOFF_BUCKET_ITEMS if variant != "copy"
-                else filled >= goal * len(out) and len(out) < COPY_BUCKETS)
+                else filled >= first + each * (len(out) - 1) and len(out) <= COPY_BUCKETS)
         if full:
             out.append({})
         out[-1][name] = state[name]
