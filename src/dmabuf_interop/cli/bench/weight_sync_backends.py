@@ -74,6 +74,7 @@ class _Torch:
         self.device = device
         torch.cuda.set_device(device)
         self.stream = torch.cuda.Stream(device)
+        self.second = torch.cuda.Stream(device)  # copy_all's other stream
 
     def from_pool(self, pool: Any, shape: tuple[int, ...]) -> Any:
         if pool is None:  # torch's own allocator (the expandable-segments variant)
@@ -112,9 +113,17 @@ class _Torch:
         return {n: self.torch.empty(s, dtype=self.torch.bfloat16, device=self.device) for n, s in shapes}
 
     def copy_all(self, dsts: list[Any], srcs: list[Any]) -> None:
-        with self.torch.cuda.stream(self.stream):  # entered once: it costs more than a copy_ launch
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src, non_blocking=True)
+        """Every other copy on a second stream, so that one copy's start overlaps another's transfer
+        (ws-8b on one H200: 8.2 ms against 8.8 ms on one stream); the receiving stream then waits for
+        the second, so the synchronise of ``release_all`` covers every copy."""
+        torch = self.torch
+        second = self.second
+        second.wait_stream(self.stream)  # recv_many made self.stream wait for the trainer's writes
+        for stream, part in ((self.stream, slice(0, None, 2)), (second, slice(1, None, 2))):
+            with torch.cuda.stream(stream):  # entered once per stream: it costs more than a copy_ launch
+                for dst, src in zip(dsts[part], srcs[part]):
+                    dst.copy_(src, non_blocking=True)
+        self.stream.wait_stream(second)
 
     def equal_sums(self, params: list[Any], sums: Any) -> bool:
         with self.torch.cuda.stream(self.stream):
