@@ -15,7 +15,7 @@ printed in ms and in µs per tensor.
 
 ``--copy-loop`` also times, on ``--device``, the full-size ws-8b tensors
 copied by one ``Tensor.copy_`` each (on one stream; then as the bench's
-engine copies them, every other copy on a second stream) against one copy
+engine copies them, dealt over four streams) against one copy
 of the same bytes, and one ``Tensor.as_strided`` view per tensor of a
 device tensor.
 """
@@ -125,7 +125,7 @@ def copy_loop(workload: str, device: int) -> None:
 
     print(f"{workload}: {len(shapes)} tensors, {2 * n / 1e9:.2f} GB bf16 on GPU {device}, median of 5")
     print(f"  one Tensor.copy_ per tensor  {timed(each):8.2f} ms")
-    print(f"  the same on two streams      {timed(lambda: engine.copy_all(dst, src)):8.2f} ms")
+    print(f"  the same on four streams     {timed(lambda: engine.copy_all(dst, src)):8.2f} ms")
     print(f"  one copy of the same bytes   {timed(one):8.2f} ms")
     base = torch.empty(1 << 20, dtype=torch.bfloat16, device=device)
     views = [((16, 16), (16, 1), 256 * i) for i in range(4096)]
