@@ -167,8 +167,8 @@ def test_a_child_killed_by_a_signal_is_reported_as_such_not_as_echild() -> None:
 @pytest.mark.parametrize("workload", ["ws-8b", "ws-moe"])
 def test_a_step_is_cut_into_batches_that_keep_the_order_and_end_with_the_checksums(workload: str) -> None:
     from dmabuf_interop.channel.protocol import MAX_LAYOUTS
-    from dmabuf_interop.cli.bench.weight_sync import (COPY_BUCKETS, COPY_FIRST_SHARE, HANDOFF_BUCKET_ITEMS, SUMS,
-                                                       _buckets, model_shapes, payload_bytes)
+    from dmabuf_interop.cli.bench.weight_sync import (COPY_BUCKETS, COPY_FIRST_SHARE, HANDOFF_BUCKET_ITEMS,
+                                                       HANDOFF_FIRST_ITEMS, SUMS, _buckets, model_shapes, payload_bytes)
 
     shapes = model_shapes(workload)
     state = {n: object() for n, _ in shapes}
@@ -177,8 +177,9 @@ def test_a_step_is_cut_into_batches_that_keep_the_order_and_end_with_the_checksu
     for parts in (handoff, copy):
         assert [n for part in parts for n in part] == [n for n, _ in shapes] + [SUMS]
         assert all(part[n] is state[n] for part in parts for n in part)
-    assert all(len(part) <= HANDOFF_BUCKET_ITEMS for part in handoff[:-1])
-    assert len(handoff) == -(-len(shapes) // HANDOFF_BUCKET_ITEMS)
+    assert len(handoff[0]) == min(HANDOFF_FIRST_ITEMS, len(shapes) + 1)  # a small first batch: the engine starts early
+    assert all(len(part) == HANDOFF_BUCKET_ITEMS for part in handoff[1:-1])
+    assert len(handoff) == 1 + -(-max(0, len(shapes) - HANDOFF_FIRST_ITEMS) // HANDOFF_BUCKET_ITEMS)
     assert 1 < len(copy) <= COPY_BUCKETS + 1
     # copy: a small first batch, so the engine's first copy starts after a short hand-off
     sizes = dict(shapes)

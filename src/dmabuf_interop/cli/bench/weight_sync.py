@@ -56,8 +56,10 @@ __all__ = ["WORKLOADS", "model_shapes", "payload_bytes", "add_arguments", "main"
 #: Name of the checksum array (it travels in the step's last batch).
 SUMS = "__checksums__"
 #: hand-off: a step's state dict goes as batches of at most this many tensors, so that the engine
-#: builds the tensors of one while the trainer sends the next.
+#: builds the tensors of one while the trainer sends the next ...
 HANDOFF_BUCKET_ITEMS = 4096
+#: ... after a first batch of at most this many, so that the engine starts early.
+HANDOFF_FIRST_ITEMS = 512
 #: copy: a step's state dict goes as a small first batch, then this many batches of about equal bytes,
 #: so that the engine's copies of one run while the next is handed over (within the layouts a channel
 #: remembers).
@@ -119,17 +121,19 @@ def model_shapes(workload: str, small: bool = False) -> list[tuple[str, tuple[in
 
 
 def _buckets(state: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]], variant: str) -> list[dict[str, Any]]:
-    """A step's batches, in order, the checksums in the last: :data:`HANDOFF_BUCKET_ITEMS` tensors each
-    (hand-off), or (copy) a first batch of :data:`COPY_FIRST_SHARE` of the bytes, then
-    :data:`COPY_BUCKETS` of about equal bytes."""
+    """A step's batches, in order, the checksums in the last: (hand-off) :data:`HANDOFF_FIRST_ITEMS`
+    tensors, then :data:`HANDOFF_BUCKET_ITEMS` each; (copy) a first batch of :data:`COPY_FIRST_SHARE` of
+    the bytes, then :data:`COPY_BUCKETS` of about equal bytes."""
     out: list[dict[str, Any]] = [{}]
     total = payload_bytes(shapes)
     first = total * COPY_FIRST_SHARE
     each = (total - first) / COPY_BUCKETS
     filled = 0
     for name, shape in shapes:
-        full = (len(out[-1]) >= HANDOFF_BUCKET_ITEMS if variant != "copy"
-                else filled >= first + each * (len(out) - 1) and len(out) <= COPY_BUCKETS)
+        if variant == "copy":
+            full = filled >= first + each * (len(out) - 1) and len(out) <= COPY_BUCKETS
+        else:
+            full = len(out[-1]) >= (HANDOFF_FIRST_ITEMS if len(out) == 1 else HANDOFF_BUCKET_ITEMS)
         if full:
             out.append({})
         out[-1][name] = state[name]
