@@ -180,6 +180,67 @@ print(json.dumps(out))
 """
 
 
+_EXPERT_RUNS = """
+import gc, json, os, tempfile, threading
+import torch
+from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen
+
+addr = os.path.join(tempfile.mkdtemp(), "s")
+with SharedPool(0, chunk_bytes=4 << 20, max_bytes=16 << 20) as pool, listen(addr, pool=pool, ordering="sync") as lst:
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", connect(addr, timeout=60, device=0)))
+    t.start()
+    prod = lst.accept(60)
+    t.join()
+    cons = box["c"]
+    state = {"router": torch.from_dlpack(pool.empty((16, 8), "float32"))}
+    for e in range(16):  # experts laid out in turn, as a MoE state dict is: runs of every third tensor
+        for kind, shape in (("gate", (12, 8)), ("up", (12, 8)), ("down", (8, 12))):
+            state[f"e{e}.{kind}"] = torch.from_dlpack(pool.empty(shape, "bfloat16"))
+    state["odd"] = torch.from_dlpack(pool.empty((5, 3), "float32"))[:, 1:]  # strided
+    out = {"steps": []}
+    for step in range(2):  # the second batch is a repeat of the first's layout
+        for i, v in enumerate(state.values()):
+            v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) + 1000 * i + step)
+        torch.cuda.synchronize()
+        lease = prod.send_many(state)
+        many = cons.recv_many(60)
+        got = as_tensors(many)
+        runs, singles = next(iter(many.values()))._batch.layout.cached[1]
+        out["steps"].append({
+            "equal": all(torch.equal(got[k].cpu(), v.cpu()) for k, v in state.items()),
+            "meta": all((got[k].shape, got[k].stride(), got[k].dtype) == (v.shape, v.stride(), v.dtype)
+                        for k, v in state.items()),
+            "in_runs": sum(len(r[5]) for r in runs), "singles": len(singles)})
+        del many
+        gc.collect()
+        held = not lease.done
+        del got
+        gc.collect()
+        lease.wait(10)
+        out["steps"][-1]["held_then_released"] = held and lease.reason == "released"
+    cons.close(); prod.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_batch_tensors_cut_from_runs_of_like_items_equal_the_sent_tensors() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import env_with_src
+
+    res = subprocess.run([sys.executable, "-c", _EXPERT_RUNS], capture_output=True, text=True, timeout=240,
+                         env=env_with_src())
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    # 48 expert tensors in 3 runs of 16; the router and the strided one alone
+    step = {"equal": True, "meta": True, "in_runs": 48, "singles": 2, "held_then_released": True}
+    assert out == {"steps": [step, step]}
+
+
 @pytest.mark.parametrize("how", ["each", "as_tensors"])
 def test_batch_tensors_are_views_that_hold_their_items(how: str) -> None:
     import json

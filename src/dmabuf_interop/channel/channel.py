@@ -266,14 +266,17 @@ class _Keep:
 class _BatchViews:
     """Tensors for the items of one ``recv_many`` batch on a device: one DLPack import
     (``torch.from_dlpack``) per chunk and dtype, and each item an ``as_strided`` view of it,
-    instead of one DLPack import per item. Held by each Received of the batch; it refers to the
-    :class:`_Keep` and the chunk tensors only weakly, so no reference cycle delays a release."""
+    instead of one DLPack import per item; for a batch of a layout, runs of like items
+    (:func:`_stack_runs`) are cut from one view each (``unbind``). Held by each Received of the
+    batch; it refers to the :class:`_Keep` and the chunk tensors only weakly, so no reference cycle
+    delays a release."""
 
-    __slots__ = ("keep", "bases")
+    __slots__ = ("keep", "bases", "layout")
 
-    def __init__(self) -> None:
+    def __init__(self, layout: "_LayoutViews | None" = None) -> None:
         self.keep: Any = None  # weakref.ref to the live _Keep, if any
         self.bases: dict[tuple[int, Any], Any] = {}  # (chunk id, torch dtype) -> weakref.ref to the chunk tensor
+        self.layout = layout  # the batch's layout, when it has one: its runs are worked out once
 
     def _keep(self) -> _Keep:
         keep = self.keep() if self.keep is not None else None
@@ -309,16 +312,104 @@ class _BatchViews:
         keep = self._keep()
         keep.members.extend(items)
         bases: dict[tuple[int, str], Any] = {}
-        out = []
-        append = out.append
         with _bulk(len(items)):
-            for r in items:
-                key, args = r.descriptor.view_plan  # key: (r._chunk.id, dtype)
+            plans = list(map(_VIEW_PLAN, items))  # each ((chunk id, dtype), (shape, strides, offset)), in elements
+            if self.layout is None or len(items) < STACK_MIN:
+                out = []
+                append = out.append
+                for r, (key, args) in zip(items, plans):
+                    base = bases.get(key)
+                    if base is None:
+                        base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
+                    append(base.as_strided(*args))
+                return out
+            runs, singles = self.layout.runs(plans)
+            out = [None] * len(items)
+            for key, shape, strides, first, delta, idx in runs:
                 base = bases.get(key)
                 if base is None:
-                    base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
-                append(base.as_strided(*args))
+                    base = bases[key] = self._base(items[idx[0]]._chunk, torch, getattr(torch, key[1]), keep)
+                # One view over the whole run, cut into its items: the same tensors as one as_strided each.
+                for i, t in zip(idx, base.as_strided((len(idx), *shape), (delta, *strides), first).unbind(0)):
+                    out[i] = t
+            for i in singles:
+                key, args = plans[i]
+                base = bases.get(key)
+                if base is None:
+                    base = bases[key] = self._base(items[i]._chunk, torch, getattr(torch, key[1]), keep)
+                out[i] = base.as_strided(*args)
         return out
+
+
+#: Items of one batch that :func:`_stack_runs` joins into one view (then ``unbind``) when this many or more.
+STACK_MIN = 8
+
+
+def _stack_runs(plans: list[Any], min_run: int = STACK_MIN) -> tuple[list[Any], list[int]]:
+    """Runs of a batch's items that one strided view of their chunk tensor holds, one item per index of
+    its first dimension: items of the same chunk, dtype, shape and strides whose element offsets step by
+    the same positive ``delta``, taken in batch order, every ``p``-th of them, for the ``p`` in 1..4 that
+    puts the most items in runs (a state dict of experts lays out a few shapes in turn).
+
+    Args:
+        plans: each item's ``view_plan``: ``((chunk id, dtype), (shape, strides, offset))``, in elements.
+        min_run: the fewest items in a run.
+
+    Returns:
+        ``(runs, singles)``: each run ``(key, shape, strides, first offset, delta, indices)``, and the
+        indices of the items in no run.
+    """
+    by_sig: dict[Any, list[int]] = {}
+    for i, (key, (shape, strides, _)) in enumerate(plans):
+        by_sig.setdefault((key, shape, strides), []).append(i)
+    runs: list[Any] = []
+    singles: list[int] = []
+    for (key, shape, strides), idx in by_sig.items():
+        best: tuple[int, list[Any], list[int]] = (0, [], idx)
+        for p in range(1, 5):
+            if len(idx) < p * min_run:
+                break
+            found: list[Any] = []
+            left: list[int] = []
+            covered = 0
+            for j in range(p):
+                sub = idx[j::p]
+                offs = [plans[i][1][2] for i in sub]
+                s = 0
+                while s < len(sub):
+                    e = s + 1
+                    delta = offs[e] - offs[s] if e < len(sub) else 0
+                    if delta > 0:
+                        while e < len(sub) and offs[e] - offs[e - 1] == delta:
+                            e += 1
+                    if e - s >= min_run:
+                        found.append((key, shape, strides, offs[s], delta, sub[s:e]))
+                        covered += e - s
+                        s = e
+                    else:
+                        left.append(sub[s])
+                        s += 1
+            if covered > best[0]:
+                best = (covered, found, left)
+        runs += best[1]
+        singles += best[2]
+    return runs, singles
+
+
+class _LayoutViews:
+    """What the tensors of a layout's batches share across messages: its :func:`_stack_runs`, worked
+    out for the first batch whose items are taken together and kept while later batches take the same."""
+
+    __slots__ = ("cached",)
+
+    def __init__(self) -> None:
+        self.cached: tuple[list[Any], tuple[list[Any], list[int]]] | None = None
+
+    def runs(self, plans: list[Any]) -> tuple[list[Any], list[int]]:
+        cached = self.cached  # one read and one write of the pair: threads may share a layout
+        if cached is None or cached[0] != plans:
+            cached = self.cached = (plans, _stack_runs(plans))
+        return cached[1]
 
 
 class Received:
@@ -585,8 +676,11 @@ def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, 
     """torch tensors for many :class:`Received` (a ``recv_many`` batch: its dict, or its list), in the
     same form: what :meth:`Received.as_tensor` gives for each, and with the same lifetime rules, but
     with the per-batch work done once (a state dict of thousands of tensors, every step). A device
-    batch: one ``torch.from_dlpack`` per chunk and dtype, then one ``Tensor.as_strided`` per item;
-    host items: ``as_tensor()`` each.
+    batch: one ``torch.from_dlpack`` per chunk and dtype, then one ``Tensor.as_strided`` per item, or,
+    in a batch that defines or repeats a layout (a state dict sent every step), one per run of at least
+    :data:`STACK_MIN` items of the same chunk, dtype, shape and strides whose offsets step evenly
+    (``unbind`` cuts it into the items' tensors; the runs are found once per layout); host items:
+    ``as_tensor()`` each.
 
     Raises:
         InvalidArgumentError: not a dict, list or tuple; an item is not a Received, or was released.
@@ -711,6 +805,7 @@ _NAME = operator.attrgetter("name")
 _DONE = operator.attrgetter("_done")
 _HOLD = operator.attrgetter("_hold")
 _BATCH = operator.attrgetter("_batch")
+_VIEW_PLAN = operator.attrgetter("descriptor.view_plan")
 #: Array types :func:`_signatures` reads: 1 torch tensors, 2 NumPy arrays, 3 cuda.core StridedMemoryViews.
 _SIG_KINDS: dict[type, int] = {}
 
@@ -839,8 +934,8 @@ class Channel:
         self._single_layouts_sent: dict[Any, int] = {}  # single arrays' (MAX_SINGLE_LAYOUTS)
         self._layout_ids = itertools.count(1)
         # As the peer defined them: (descriptors, mapping, chunks); mapping None for one array.
-        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]] = {}
-        self._single_layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]] = {}
+        self._layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any], _LayoutViews]] = {}
+        self._single_layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any], _LayoutViews]] = {}
         # Batches lent whose arrays all lay in pool blocks, by (length, first name, last name).
         self._memos: dict[tuple[Any, ...], _Memo] = {}
         self._flusher: threading.Thread | None = None
@@ -1399,7 +1494,7 @@ class Channel:
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
         """
         h = _stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        _, lease_id, descs, _, ordering, chunks = self._next(timeout, want_batch=False)
+        _, lease_id, descs, _, ordering, chunks, _ = self._next(timeout, want_batch=False)
         return self._make_received(lease_id, descs, h, ordering, chunks)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None) -> dict[str, Received] | list[Received]:
@@ -1408,10 +1503,10 @@ class Channel:
         Raises: as :meth:`recv`.
         """
         h = _stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        kind, lease_id, descs, mapping, ordering, chunks = self._next(timeout, want_batch=True)
+        kind, lease_id, descs, mapping, ordering, chunks, layout = self._next(timeout, want_batch=True)
         out = self._make_received(lease_id, descs, h, ordering, chunks)
         if len(out) > 1 and out[0].device >= 0:
-            views = _BatchViews()
+            views = _BatchViews(layout)
             for r in out:
                 r._batch = views
         if mapping:
@@ -1532,8 +1627,9 @@ class Channel:
         elif kind in ("array", "arrays", "repeat"):
             lease_id = msg["lease"]
             ordering = None
+            layout = None
             if kind == "repeat":
-                descs, mapping, chunks = self._repeat(msg)
+                descs, mapping, chunks, layout = self._repeat(msg)
                 ordering = msg["ordering"]
                 kind = "array" if mapping is None else "arrays"  # a single array's layout arrives as one
                 mapping = bool(mapping)
@@ -1550,7 +1646,8 @@ class Channel:
                         raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
                 mapping = kind == "arrays" and msg["mapping"]
                 if "layout" in msg:
-                    self._define_layout(msg["layout"], descs, mapping if kind == "arrays" else None, chunks)
+                    layout = self._define_layout(msg["layout"], descs, mapping if kind == "arrays" else None,
+                                                 chunks)
             with self._state:
                 if lease_id in self._held:
                     raise ProtocolError(f"lease {lease_id} is already held")
@@ -1558,7 +1655,7 @@ class Channel:
                     self._held.add(lease_id)
                     for chunk in chunks.values():
                         chunk.retain()  # mapped until received, whatever comes after (_make_received)
-                    self._queue.append((kind, lease_id, descs, mapping, ordering, chunks))
+                    self._queue.append((kind, lease_id, descs, mapping, ordering, chunks, layout))
                     if self._waiters:
                         self._state.notify_all()
                 elif not (self._eof or self._closed):
@@ -1581,28 +1678,30 @@ class Channel:
             raise ProtocolError(f"unexpected {kind!r} message after the handshake")
 
     def _define_layout(self, layout: int, descs: list[ArrayDescriptor], mapping: bool | None,
-                       chunks: dict[int, _ImportedChunk]) -> None:
+                       chunks: dict[int, _ImportedChunk]) -> _LayoutViews:
         """Keep a layout the peer defined: a batch's (``mapping`` true or false) among the last
         :data:`MAX_LAYOUTS`, one array's (``mapping`` None) among the last :data:`MAX_SINGLE_LAYOUTS`,
-        first in, first out, as the exporter forgets them."""
+        first in, first out, as the exporter forgets them. Returns what its tensors share."""
         if layout in self._layouts or layout in self._single_layouts:
             raise ProtocolError(f"layout {layout} defined twice")
         kept, limit = ((self._single_layouts, MAX_SINGLE_LAYOUTS) if mapping is None
                        else (self._layouts, MAX_LAYOUTS))
         # The imports themselves, not their ids: a repeat must find these very chunks (an id retired
         # and announced again is another chunk, of another size).
-        kept[layout] = (descs, mapping, chunks)
+        views = _LayoutViews()
+        kept[layout] = (descs, mapping, chunks, views)
         if len(kept) > limit:
             del kept[next(iter(kept))]
+        return views
 
-    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool | None, dict[int, Any]]:
+    def _repeat(self, msg: dict[str, Any]) -> tuple[list[ArrayDescriptor], bool | None, dict[int, Any], _LayoutViews]:
         """The descriptors of a ``repeat`` message: its layout's, validated when it was defined, with
         this message's ordering, event and meta on the first (the others take ``ordering`` from the
-        Received); ``mapping`` None for one array's layout."""
+        Received); ``mapping`` None for one array's layout; and what the layout's tensors share."""
         found = self._layouts.get(msg["layout"]) or self._single_layouts.get(msg["layout"])
         if found is None:
             raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
-        descs, mapping, chunks = found
+        descs, mapping, chunks, views = found
         for cid, chunk in chunks.items():
             if self._imports.get(cid) is not chunk:
                 raise ProtocolError(f"repeat of layout {msg['layout']} names chunk {cid}, retired since")
@@ -1612,9 +1711,9 @@ class Channel:
         if msg["meta"] is None and d.meta is None and (msg["ordering"], msg["event"]) == (d.ordering, d.event):
             # As defined (a ring of blocks sent again and again): the frozen descriptors are shared,
             # never a meta object (whose == would also equate 1, 1.0 and True).
-            return descs, mapping, chunks
+            return descs, mapping, chunks, views
         first = dataclasses.replace(d, ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
-        return [first, *descs[1:]], mapping, chunks
+        return [first, *descs[1:]], mapping, chunks, views
 
     def _import_chunk(self, msg: dict[str, Any], fds: list[int]) -> None:
         cid, size = msg["chunk"], msg["size"]
