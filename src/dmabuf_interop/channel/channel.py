@@ -905,6 +905,9 @@ class Channel:
     """
 
     share_segments = True
+    # The Received of a batch lie where its layout says (runs of like items are cut from one view each);
+    # not so where each item is first copied into a block of its own (RemoteChannel).
+    _views_follow_layout = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
                  device: int | None = None, ordering: str = "event") -> None:
@@ -1506,7 +1509,7 @@ class Channel:
         kind, lease_id, descs, mapping, ordering, chunks, layout = self._next(timeout, want_batch=True)
         out = self._make_received(lease_id, descs, h, ordering, chunks)
         if len(out) > 1 and out[0].device >= 0:
-            views = _BatchViews(layout)
+            views = _BatchViews(layout if self._views_follow_layout else None)
             for r in out:
                 r._batch = views
         if mapping:

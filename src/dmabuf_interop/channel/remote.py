@@ -284,6 +284,7 @@ class RemoteChannel(Channel):
     """
 
     share_segments = False  # NIXL reads registered pool chunks only: torch's pages are copied into the pool
+    _views_follow_layout = False  # each item is read into a block of its own (_make_received)
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, agent: _Agent, remote_agent: str, *,
                  pool: SharedPool | None, device: int | None, xfer_timeout: float) -> None:
