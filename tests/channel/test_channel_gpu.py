@@ -142,19 +142,23 @@ def test_event_orders_a_late_kernel_write_for_a_consumer_on_the_other_gpu(tmp_pa
     assert _run(tmp_path, 0, 1, "ordering") == f"ok event {7.0 * (1 << 20)}"
 
 
-_BATCH_LIFETIME = """
+# A producer and a consumer channel in one process, over a pool of four CHUNK-byte chunks on GPU 0.
+_PAIR = """
 import gc, json, os, sys, tempfile, threading
 import torch
 from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen
 
 addr = os.path.join(tempfile.mkdtemp(), "s")
-with SharedPool(0, chunk_bytes=2 << 20, max_bytes=8 << 20) as pool, listen(addr, pool=pool, ordering="sync") as lst:
+with SharedPool(0, chunk_bytes=CHUNK, max_bytes=4 * CHUNK) as pool, listen(addr, pool=pool, ordering="sync") as lst:
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("c", connect(addr, timeout=60, device=0)))
     t.start()
     prod = lst.accept(60)
     t.join()
     cons = box["c"]
+"""
+
+_BATCH_LIFETIME = "CHUNK = 2 << 20" + _PAIR + """\
     a = torch.from_dlpack(pool.empty((64, 32), "float32"))
     b = torch.from_dlpack(pool.empty((100,), "int16"))
     a.copy_(torch.arange(64 * 32, dtype=torch.float32).view(64, 32))
@@ -180,19 +184,7 @@ print(json.dumps(out))
 """
 
 
-_EXPERT_RUNS = """
-import gc, json, os, tempfile, threading
-import torch
-from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen
-
-addr = os.path.join(tempfile.mkdtemp(), "s")
-with SharedPool(0, chunk_bytes=4 << 20, max_bytes=16 << 20) as pool, listen(addr, pool=pool, ordering="sync") as lst:
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("c", connect(addr, timeout=60, device=0)))
-    t.start()
-    prod = lst.accept(60)
-    t.join()
-    cons = box["c"]
+_EXPERT_RUNS = "CHUNK = 4 << 20" + _PAIR + """\
     state = {"router": torch.from_dlpack(pool.empty((16, 8), "float32"))}
     for e in range(16):  # experts laid out in turn, as a MoE state dict is: runs of every third tensor
         for kind, shape in (("gate", (12, 8)), ("up", (12, 8)), ("down", (8, 12))):
