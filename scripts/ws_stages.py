@@ -8,7 +8,7 @@ A device ``SharedPool`` holds one tensor per name of the workload's state dict,
 each a few bytes (``(16, 16)`` or ``(64,)`` bf16: the per-tensor cost, not the
 bytes); a channel connects this process to itself (``listen`` / ``connect``,
 the consumer mapping the chunks on ``--consumer-device``). Each step:
-``send_many`` of the whole state dict, ``recv_many``, ``as_tensors``, then
+``send_many`` of the whole state dict, ``recv_many``, ``as_tensors`` (under ``torch.no_grad()``), then
 ``release_all`` and the lease's wait, each timed with ``time.perf_counter``.
 After a first step and three warm-ups, the median of ``--steps`` steps is
 printed in ms and in µs per tensor.
@@ -61,7 +61,8 @@ def stages(workload: str, device: int, consumer: int, steps: int) -> None:
             t1 = time.perf_counter()
             batch = cons.recv_many(60, stream=cstream)
             t2 = time.perf_counter()
-            views = as_tensors(batch)
+            with torch.no_grad():  # as an engine loads weights, and as the bench's engine does
+                views = as_tensors(batch)
             t3 = time.perf_counter()
             del views
             release_all(batch.values())

@@ -197,13 +197,14 @@ _EXPERT_RUNS = "CHUNK = 4 << 20" + _PAIR + """\
         torch.cuda.synchronize()
         lease = prod.send_many(state)
         many = cons.recv_many(60)
-        got = as_tensors(many)
-        runs, singles = next(iter(many.values()))._batch.layout.cached[1]
+        with torch.no_grad():  # as engines load weights: runs are cut outside grad mode only
+            got = as_tensors(many)
+        runs, singles = next(iter(many.values()))._batch.layout.cached[1] or ([], None)
         out["steps"].append({
             "equal": all(torch.equal(got[k].cpu(), v.cpu()) for k, v in state.items()),
             "meta": all((got[k].shape, got[k].stride(), got[k].dtype) == (v.shape, v.stride(), v.dtype)
                         for k, v in state.items()),
-            "in_runs": sum(len(r[5]) for r in runs), "singles": len(singles)})
+            "in_runs": sum(len(r[5]) for r in runs), "singles": None if singles is None else len(singles)})
         del many
         gc.collect()
         held = not lease.done
@@ -228,9 +229,10 @@ def test_batch_tensors_cut_from_runs_of_like_items_equal_the_sent_tensors() -> N
                          env=env_with_src())
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    # 48 expert tensors in 3 runs of 16; the router and the strided one alone
-    step = {"equal": True, "meta": True, "in_runs": 48, "singles": 2, "held_then_released": True}
-    assert out == {"steps": [step, step]}
+    # the first batch of the layout: one as_strided each; the second: 48 expert tensors in 3 runs of 16,
+    # the router and the strided one alone
+    step = {"equal": True, "meta": True, "held_then_released": True}
+    assert out == {"steps": [{**step, "in_runs": 0, "singles": None}, {**step, "in_runs": 48, "singles": 2}]}
 
 
 @pytest.mark.parametrize("how", ["each", "as_tensors"])

@@ -98,3 +98,55 @@ def test_a_run_cut_from_one_view_gives_the_same_tensors_as_one_as_strided_each()
             one = base.as_strided(*plans[i][1])
             assert (t.shape, t.stride(), t.storage_offset()) == (one.shape, one.stride(), one.storage_offset())
             assert torch.equal(t, one)
+
+
+def _cpu_batch(torch: Any, layout: Any, plans: list[Any]) -> tuple[Any, list[Any]]:
+    """``_BatchViews`` over one CPU tensor per (chunk, dtype) instead of a mapped chunk, and items that
+    carry only what ``tensors`` reads: their descriptor's view plan and their chunk."""
+    from types import SimpleNamespace
+
+    from dmabuf_interop.channel.channel import _BatchViews
+
+    chunk = torch.arange(max(p[1][2] for p in plans) + 4096, dtype=torch.float32)
+
+    class CpuViews(_BatchViews):
+        def _base(self, chunk_: Any, torch_: Any, dtype: Any, keep: Any) -> Any:
+            return chunk.to(dtype)
+
+    items = [SimpleNamespace(descriptor=SimpleNamespace(view_plan=p), _chunk=None) for p in plans]
+    return CpuViews(layout), items
+
+
+def test_runs_are_cut_outside_grad_mode_from_a_layouts_second_batch_on() -> None:
+    torch = pytest.importorskip("torch")
+    from dmabuf_interop.channel.channel import _LayoutViews
+
+    plans = _moe_plans(layers=1, experts=16)
+    layout = _LayoutViews()
+    with torch.no_grad():
+        first = _cpu_batch(torch, layout, plans)
+        one = first[0].tensors(first[1], torch)
+        assert layout.cached is not None and layout.cached[1] is None  # first sight: one as_strided each
+        second = _cpu_batch(torch, layout, plans)
+        cut = second[0].tensors(second[1], torch)
+        assert layout.cached[1] is not None and sum(len(r[5]) for r in layout.cached[1][0]) == 48
+        for a, b in zip(one, cut):
+            assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+            assert torch.equal(a, b)
+        part = _cpu_batch(torch, layout, plans[:20])  # other items than the layout's: one as_strided each
+        assert len(part[0].tensors(part[1], torch)) == 20 and layout.cached[0] == plans
+
+
+def test_in_grad_mode_each_item_may_be_written_in_place_with_an_operand_that_requires_grad() -> None:
+    torch = pytest.importorskip("torch")
+    from dmabuf_interop.channel.channel import _LayoutViews
+
+    plans = _moe_plans(layers=1, experts=16)
+    layout = _LayoutViews()
+    for _ in range(2):
+        views, items = _cpu_batch(torch, layout, plans)
+        got = views.tensors(items, torch)
+    assert layout.cached is None  # grad mode never asks for runs
+    ema = torch.ones(got[3].shape, dtype=got[3].dtype, requires_grad=True)
+    got[3].mul_(0.9).add_(ema, alpha=0.1)  # an unbind output would refuse this
+    assert got[3].requires_grad

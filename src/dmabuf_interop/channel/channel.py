@@ -266,8 +266,8 @@ class _Keep:
 class _BatchViews:
     """Tensors for the items of one ``recv_many`` batch on a device: one DLPack import
     (``torch.from_dlpack``) per chunk and dtype, and each item an ``as_strided`` view of it,
-    instead of one DLPack import per item; for a batch of a layout, runs of like items
-    (:func:`_stack_runs`) are cut from one view each (``unbind``). Held by each Received of the
+    instead of one DLPack import per item; for a batch of a layout taken outside grad mode, runs of
+    like items (:func:`_stack_runs`) are cut from one view each (``unbind``). Held by each Received of the
     batch; it refers to the :class:`_Keep` and the chunk tensors only weakly, so no reference cycle
     delays a release."""
 
@@ -314,7 +314,12 @@ class _BatchViews:
         bases: dict[tuple[int, str], Any] = {}
         with _bulk(len(items)):
             plans = list(map(_VIEW_PLAN, items))  # each ((chunk id, dtype), (shape, strides, offset)), in elements
-            if self.layout is None or len(items) < STACK_MIN:
+            found = None
+            # Not in grad mode: unbind's outputs (a multi-output view) may not then be written in place
+            # with an operand that requires grad, where as_strided's may.
+            if self.layout is not None and len(items) >= STACK_MIN and not torch.is_grad_enabled():
+                found = self.layout.runs(plans)
+            if found is None:
                 out = []
                 append = out.append
                 for r, (key, args) in zip(items, plans):
@@ -323,7 +328,7 @@ class _BatchViews:
                         base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
                     append(base.as_strided(*args))
                 return out
-            runs, singles = self.layout.runs(plans)
+            runs, singles = found
             out = [None] * len(items)
             for key, shape, strides, first, delta, idx in runs:
                 base = bases.get(key)
@@ -353,12 +358,13 @@ def _stack_runs(plans: list[Any], min_run: int = STACK_MIN) -> tuple[list[Any], 
 
     Args:
         plans: each item's ``view_plan``: ``((chunk id, dtype), (shape, strides, offset))``, in elements.
-        min_run: the fewest items in a run.
+        min_run: the fewest items in a run (at least 2).
 
     Returns:
         ``(runs, singles)``: each run ``(key, shape, strides, first offset, delta, indices)``, and the
         indices of the items in no run.
     """
+    min_run = max(min_run, 2)
     by_sig: dict[Any, list[int]] = {}
     for i, (key, (shape, strides, _)) in enumerate(plans):
         by_sig.setdefault((key, shape, strides), []).append(i)
@@ -398,16 +404,24 @@ def _stack_runs(plans: list[Any], min_run: int = STACK_MIN) -> tuple[list[Any], 
 
 class _LayoutViews:
     """What the tensors of a layout's batches share across messages: its :func:`_stack_runs`, worked
-    out for the first batch whose items are taken together and kept while later batches take the same."""
+    out the second time the same items are taken together (a layout sent once pays nothing for it),
+    and kept for later batches that take the same."""
 
     __slots__ = ("cached",)
 
     def __init__(self) -> None:
-        self.cached: tuple[list[Any], tuple[list[Any], list[int]]] | None = None
+        self.cached: tuple[list[Any], tuple[list[Any], list[int]] | None] | None = None
 
-    def runs(self, plans: list[Any]) -> tuple[list[Any], list[int]]:
-        cached = self.cached  # one read and one write of the pair: threads may share a layout
-        if cached is None or cached[0] != plans:
+    def runs(self, plans: list[Any]) -> tuple[list[Any], list[int]] | None:
+        """The runs of ``plans`` (:func:`_stack_runs`), or ``None`` (one ``as_strided`` per item): on their
+        first sight, and for items other than the first seen (a part of the batch, another order)."""
+        cached = self.cached  # one read and at most one write of the pair: threads may share a layout
+        if cached is None:
+            self.cached = (plans, None)
+            return None
+        if cached[0] != plans:
+            return None
+        if cached[1] is None:
             cached = self.cached = (plans, _stack_runs(plans))
         return cached[1]
 
@@ -677,10 +691,12 @@ def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, 
     same form: what :meth:`Received.as_tensor` gives for each, and with the same lifetime rules, but
     with the per-batch work done once (a state dict of thousands of tensors, every step). A device
     batch: one ``torch.from_dlpack`` per chunk and dtype, then one ``Tensor.as_strided`` per item, or,
-    in a batch that defines or repeats a layout (a state dict sent every step), one per run of at least
+    outside grad mode (``torch.no_grad()``, ``torch.inference_mode()``, as engines load weights) and
+    from the second batch of a layout on (a state dict sent every step), one per run of at least
     :data:`STACK_MIN` items of the same chunk, dtype, shape and strides whose offsets step evenly
-    (``unbind`` cuts it into the items' tensors; the runs are found once per layout); host items:
-    ``as_tensor()`` each.
+    (``unbind`` cuts it into the items' tensors, the same tensors; the runs are found once per layout).
+    In grad mode each item has its own ``as_strided``, whose output, unlike ``unbind``'s, may be written
+    in place with an operand that requires grad. Host items: ``as_tensor()`` each.
 
     Raises:
         InvalidArgumentError: not a dict, list or tuple; an item is not a Received, or was released.

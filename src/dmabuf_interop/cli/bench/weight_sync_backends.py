@@ -107,7 +107,8 @@ class _Torch:
     def views(self, batch: dict[str, Any]) -> dict[str, Any]:
         from ...channel import as_tensors
 
-        return as_tensors(batch)
+        with self.torch.no_grad():  # as an engine loads weights (as_tensors then cuts runs of like tensors)
+            return as_tensors(batch)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
