@@ -1,5 +1,5 @@
-"""Runs of like items that one strided view holds (``channel._stack_runs``): which items join, and that
-each run gives the items' own (shape, strides, offset)."""
+"""Runs of like items that one strided view holds (``channel._stack_runs``): which items join, that each
+run gives the items' own (shape, strides, offset), and when a batch's tensors are cut from runs."""
 
 from __future__ import annotations
 

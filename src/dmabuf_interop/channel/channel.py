@@ -952,7 +952,8 @@ class Channel:
         self._layouts_sent: dict[Any, int] = {}  # batches' (MAX_LAYOUTS)
         self._single_layouts_sent: dict[Any, int] = {}  # single arrays' (MAX_SINGLE_LAYOUTS)
         self._layout_ids = itertools.count(1)
-        # As the peer defined them: (descriptors, mapping, chunks); mapping None for one array.
+        # As the peer defined them: (descriptors, mapping, chunks, what their tensors share); mapping None
+        # for one array.
         self._layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any], _LayoutViews]] = {}
         self._single_layouts: dict[int, tuple[list[ArrayDescriptor], bool | None, dict[int, Any], _LayoutViews]] = {}
         # Batches lent whose arrays all lay in pool blocks, by (length, first name, last name).

@@ -118,7 +118,7 @@ class _Torch:
 
     def copy_all(self, dsts: list[Any], srcs: list[Any]) -> None:
         """The copies dealt round-robin over :data:`COPY_STREAMS` streams, so that one copy's start
-        overlaps another's transfer (ws-8b on one H200: 8.1 to 8.3 ms on four streams, 8.9 to 9.0 ms on
+        overlaps another's transfer (ws-8b on one H200: 8.0 to 8.3 ms on four streams, 8.9 to 9.0 ms on
         one, 7.7 ms for one copy of the same bytes); the receiving stream then waits for the others,
         so the synchronise of ``release_all`` covers every copy."""
         torch = self.torch
