@@ -142,13 +142,14 @@ class SyscallError(DmaBufError, OSError):
     Args:
         call: the system call, e.g. ``"ftruncate"``.
         exc: the ``OSError`` it raised, or the bare ``errno`` number.
+        filename: the path the call acted on, if any (named in the message).
 
     Attributes:
         call: as given. errno: the ``errno`` value (``None`` if none).
-        strerror: the C library's text for it.
+        strerror: the C library's text for it. filename: as given.
     """
 
-    def __init__(self, call: str, exc: BaseException | int | None) -> None:
+    def __init__(self, call: str, exc: BaseException | int | None, filename: str | None = None) -> None:
         if isinstance(exc, int) or exc is None:
             code, text, kind = exc, (os.strerror(exc) if exc is not None else ""), ""
         else:
@@ -157,18 +158,22 @@ class SyscallError(DmaBufError, OSError):
         name = (_errno.errorcode.get(code, "") if code is not None else "") or kind
         super().__init__(code, text)
         self.call = call
+        self.filename = filename
         self._message = f"{call} -> {name} ({text})" if name else f"{call} ({text})"
+        if filename is not None:
+            self._message += f": {filename!r}"
 
     def __str__(self) -> str:
         return self._message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_syscall_error, (type(self), self.call, self.errno, self.strerror, self._message)
+        return _rebuild_syscall_error, (type(self), self.call, self.errno, self.strerror, self._message,
+                                        self.filename)
 
 
 def _rebuild_syscall_error(cls: type[SyscallError], call: str, code: int | None, text: str,
-                           message: str) -> SyscallError:
-    err = cls(call, code)
+                           message: str, filename: str | None = None) -> SyscallError:
+    err = cls(call, code, filename)
     err.strerror, err._message = text, message
     return err
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -400,6 +401,17 @@ def test_accept_skips_connections_whose_peer_already_left(addr: str, pool: Share
         x.close()
     with pytest.raises(InvalidArgumentError, match="closed"):
         listener.accept(1)
+
+
+def test_listen_where_the_folder_is_missing_names_the_path(tmp_path: Path) -> None:
+    from dmabuf_interop.errors import SyscallError
+
+    where = tmp_path / "no-such-folder" / "w.sock"
+    with pytest.raises(SyscallError) as info:
+        listen(where)
+    err = info.value
+    assert (err.call, err.errno, err.filename) == ("bind", errno.ENOENT, str(where))
+    assert str(where) in str(err) and "ENOENT" in str(err)
 
 
 def test_closing_a_listener_wakes_a_thread_waiting_in_accept(addr: str, pool: SharedPool) -> None:

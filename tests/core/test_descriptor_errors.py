@@ -95,6 +95,7 @@ ERRORS = [
     errors.SyscallError("mmap", OSError(errno.EPERM, "Operation not permitted")),
     errors.SyscallError("mmap", OverflowError("length too large")),
     errors.SyscallError("memfd_create", errno.EMFILE),
+    errors.SyscallError("bind", OSError(errno.ENOENT, "No such file or directory"), "/run/user/1000/w.sock"),
     errors.FdPassError("x"),
     errors.PeerClosedError("peer closed"),
     errors.ProtocolError("bad frame"),
@@ -105,7 +106,7 @@ ERRORS = [
 
 def _same(a: BaseException, b: BaseException) -> None:
     assert type(a) is type(b) and str(a) == str(b)
-    for attr in ("call", "result", "code", "detail", "reason", "errno", "strerror"):
+    for attr in ("call", "result", "code", "detail", "reason", "errno", "strerror", "filename"):
         assert getattr(a, attr, None) == getattr(b, attr, None), attr
 
 

@@ -194,7 +194,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     Raises:
         InvalidArgumentError: a bad address, a path that exists and is not a
             socket, or a socket someone is listening on.
-        SyscallError: ``socket``, ``bind``, ``chmod`` or ``listen`` failed.
+        SyscallError: ``socket``, ``bind``, ``chmod`` or ``listen`` failed (the message names the address).
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
@@ -253,7 +253,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
                 pass
         if step == "bind" and exc.errno == errno.EADDRINUSE:
             raise InvalidArgumentError(f"address {address!r} is in use") from exc
-        raise SyscallError(step, exc) from exc
+        raise SyscallError(step, exc, os.fspath(address)) from exc
     return Listener(sock, os.fspath(address), path, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
                     ordering=ordering, device=device, hello_overrides=hello_overrides)
 
