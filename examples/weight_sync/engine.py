@@ -72,9 +72,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from dmabuf_interop.errors import DmaBufError
+    import sys
+
+    from dmabuf_interop.errors import DmaBufError, NoDriverError
 
     try:
         main()
     except (DmaBufError, ImportError) as exc:  # a peer that went, no listener yet, torch missing without --host
-        raise SystemExit(f"engine: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if isinstance(exc, (NoDriverError, ImportError)) and "--host" not in sys.argv:
+            hint = " (without a GPU and torch, run with --host: host memory and NumPy)"
+        raise SystemExit(f"engine: {type(exc).__name__}: {exc}{hint}") from None

@@ -1,6 +1,7 @@
 """Weight sync, trainer side: parameters live in a shared pool; each step sends the whole state dict at once.
 
-Start it first, then ``engine.py`` in another terminal with the same address:
+Start it and ``engine.py`` in two terminals with the same address, either first (the engine
+waits up to 60 s for the trainer to listen):
 
     python examples/weight_sync/trainer.py --address /tmp/weights.sock            # GPU 0, torch
     python examples/weight_sync/trainer.py --address /tmp/weights.sock --host     # host memory, NumPy
@@ -56,9 +57,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from dmabuf_interop.errors import DmaBufError
+    import sys
+
+    from dmabuf_interop.errors import DmaBufError, NoDriverError
 
     try:
         main()
     except (DmaBufError, ImportError) as exc:  # a peer that went, no listener yet, torch missing without --host
-        raise SystemExit(f"trainer: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if isinstance(exc, (NoDriverError, ImportError)) and "--host" not in sys.argv:
+            hint = " (without a GPU and torch, run with --host: host memory and NumPy)"
+        raise SystemExit(f"trainer: {type(exc).__name__}: {exc}{hint}") from None
