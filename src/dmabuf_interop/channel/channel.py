@@ -319,17 +319,8 @@ class _BatchViews:
             # with an operand that requires grad, where as_strided's may.
             if self.layout is not None and len(items) >= STACK_MIN and not torch.is_grad_enabled():
                 found = self.layout.runs(plans)
-            if found is None:
-                out = []
-                append = out.append
-                for r, (key, args) in zip(items, plans):
-                    base = bases.get(key)
-                    if base is None:
-                        base = bases[key] = self._base(r._chunk, torch, getattr(torch, key[1]), keep)
-                    append(base.as_strided(*args))
-                return out
-            runs, singles = found
-            out = [None] * len(items)
+            runs, singles = found if found is not None else ((), range(len(items)))  # no runs: every item alone
+            out: list[Any] = [None] * len(items)
             for key, shape, strides, first, delta, idx in runs:
                 base = bases.get(key)
                 if base is None:
