@@ -1227,3 +1227,24 @@ def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: Shar
     late().close()
     with pytest.raises(InvalidArgumentError, match="local"):
         connect("tcp://127.0.0.1:1", timeout=1, wait=True)
+
+
+def test_device_view_exports_the_cuda_array_interface_in_bytes_and_keeps_its_owners() -> None:
+    from dmabuf_interop.channel.pool import DeviceView
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    view = DeviceView(0x7F0000001000, (3, 4), (8, 1), np.dtype("float32"), 1, 4 * (2 * 8 + 4), (owner,))
+    del owner
+    gc.collect()
+    assert alive() is not None  # the view holds what keeps the mapping and the lease
+    assert view.__cuda_array_interface__ == {"version": 3, "shape": (3, 4), "typestr": "<f4",
+                                             "data": (0x7F0000001000, False), "strides": (32, 4)}
+    assert (view.ptr, view.strides, view.device_id, view.is_device_accessible) == (0x7F0000001000, (8, 1), 1, True)
+    assert repr(view) == "<DeviceView float32[3, 4] at 0x7f0000001000 on GPU 1>"
+    del view
+    gc.collect()
+    assert alive() is None

@@ -42,8 +42,11 @@ def _producer(addr: str, device: int, mode: str, ordering: str, q) -> None:
                     zc = torch.from_dlpack(pool.empty((256, 256), "float32"))
                     zc.copy_(t.view(256, 256) * 2)
                     bf = torch.ones(1000, dtype=torch.bfloat16, device=f"cuda:{device}") * 3
+                    fives = torch.from_dlpack(pool.empty(1024, "float32"))
+                    fives.fill_(5.0)
                     leases = [ch.send(t, stream=stream), ch.send(zc, stream=stream), ch.send(bf, stream=stream),
-                              ch.send_many({"w": t[:100], "b": zc[0]}, stream=stream)]
+                              ch.send_many({"w": t[:100], "b": zc[0]}, stream=stream),
+                              ch.send(fives, stream=stream)]  # released by the consumer's safety net
                     for lease in leases:
                         lease.wait(60)
                 else:  # ordering: a kernel writes 7.0 after ~0.5 s; the consumer must see it
@@ -78,11 +81,19 @@ def _consumer(addr: str, device: int, mode: str, q) -> None:
                     assert r.device == device and r.ordering in ("event", "sync")
                     assert torch.equal(r.as_tensor().cpu(), torch.arange(1 << 16, dtype=torch.float32))
                 with ch.recv(60) as r:
-                    assert torch.equal(r.as_tensor().cpu(), torch.arange(1 << 16, dtype=torch.float32).view(256, 256) * 2)
+                    want = torch.arange(1 << 16, dtype=torch.float32).view(256, 256) * 2
+                    assert torch.equal(r.as_tensor().cpu(), want)
+                    v = r.as_array()  # a DeviceView: the address at once, cuda.core's view on first DLPack use
+                    assert (v.shape, v.strides, v.dtype, v.device_id) == ((256, 256), (256, 1), np.float32, device)
+                    assert v.__cuda_array_interface__["strides"] == (1024, 4)
+                    assert torch.equal(torch.from_dlpack(v).cpu(), want)
+                    assert v.memory_view() is v.memory_view() and int(v.memory_view().ptr) == v.ptr
+                    assert torch.equal(torch.as_tensor(v, device=f"cuda:{device}").cpu(), want)  # the CUDA array interface
                     try:
                         import cupy
 
-                        assert float(cupy.from_dlpack(r.as_array()).sum()) == float((np.arange(1 << 16) * 2).sum())
+                        assert float(cupy.from_dlpack(v).sum()) == float(want.sum())
+                        assert float(cupy.asarray(v).sum()) == float(want.sum())
                     except ImportError:
                         pass
                 with ch.recv(60) as r:
@@ -93,7 +104,25 @@ def _consumer(addr: str, device: int, mode: str, q) -> None:
                 assert torch.equal(many["b"].as_tensor().cpu(), torch.arange(256, dtype=torch.float32) * 2)
                 for r in many.values():
                     r.release()
-                q.put(f"ok {r.ordering}")
+                ordering = r.ordering
+                # A view, and a tensor made from it, each keep the Received (so its lease) alive.
+                import gc
+                import weakref
+
+                r = ch.recv(60)
+                view = r.as_array()
+                alive = weakref.ref(r)
+                del r
+                gc.collect()
+                assert alive() is not None
+                t = torch.from_dlpack(view)
+                del view
+                gc.collect()
+                assert alive() is not None and float(t.sum()) == 5.0 * 1024
+                del t
+                gc.collect()
+                assert alive() is None  # the producer's lease.wait sees the safety net's release
+                q.put(f"ok {ordering}")
             else:
                 with ch.recv(60) as r:  # no synchronisation by hand: the stream waited on the producer's event
                     total = float(r.as_tensor().sum())

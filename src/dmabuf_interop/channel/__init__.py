@@ -13,12 +13,12 @@ in expandable segments are lent in place, their pages exported as they are
 from __future__ import annotations
 
 from .channel import Channel, Lease, PeerInfo, Received, as_tensors, mechanism_for, release_all
-from .pool import ALIGN, SharedPool
+from .pool import ALIGN, DeviceView, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
 from .rendezvous import Listener, connect, listen
 from .segments import release_segments
 
 __all__ = [
-    "ALIGN", "ArrayDescriptor", "Channel", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
+    "ALIGN", "ArrayDescriptor", "Channel", "DeviceView", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
     "SharedPool", "as_tensors", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
 ]

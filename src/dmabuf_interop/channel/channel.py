@@ -38,7 +38,7 @@ from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, Peer
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
 from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
-from .pool import LIVE_POOLS, Block, HostView, SharedPool, c_strides, numpy_dtype
+from .pool import LIVE_POOLS, Block, DeviceView, HostView, SharedPool, c_strides, numpy_dtype
 from .protocol import (DTYPES, MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, ArrayDescriptor,
                        parse_message)
 from .wire import frame_reader, send_frame, shut_down
@@ -488,28 +488,24 @@ class Received:
         if self._done or not self._hold.alive:
             raise InvalidArgumentError("this Received was released; its block may already hold other data")
 
-    def _span(self) -> int:
-        d = self.descriptor
-        return max(d.extent() - d.byte_offset, 1)
-
     def as_array(self) -> Any:
         """The array, zero-copy.
 
         Returns:
             host: a writable NumPy array over the shared pages (bfloat16 needs ``ml_dtypes``);
-            device: a ``cuda.core.utils.StridedMemoryView`` (DLPack producer). Either keeps
-            this Received alive while it lives; its contents are valid until :meth:`release`.
+            device: a :class:`.pool.DeviceView`: ``ptr``, ``shape``, ``strides`` (elements),
+            ``dtype`` (bfloat16 as uint16), a DLPack producer and ``__cuda_array_interface__``;
+            ``memory_view()`` gives cuda.core's ``StridedMemoryView``. Either keeps this Received
+            alive while it lives; its contents are valid until :meth:`release`.
 
         Raises:
             InvalidArgumentError: already released; bfloat16 on the host without ``ml_dtypes``.
         """
         self._check()
-        import numpy as np
-
         d = self.descriptor
         if self.device < 0:
             return self._host_view(numpy_dtype(d.dtype).str)
-        return self._device_view(np.dtype("uint16") if d.dtype == "bfloat16" else np.dtype(d.dtype))
+        return self._device_view(_device_dtype(d.dtype))
 
     def _host_view(self, typestr: str) -> Any:
         import numpy as np
@@ -518,14 +514,9 @@ class Received:
         keep = (self, _ChunkRef(self._chunk), self._chunk.buf._mapping.map)
         return np.asarray(HostView(self._ptr, d.shape, d.strides, typestr, keep))
 
-    def _device_view(self, dt: Any) -> Any:
-        from cuda.core.utils import StridedMemoryView
-
-        from ..buffers import mapped_buffer
-
+    def _device_view(self, dt: Any) -> DeviceView:
         d = self.descriptor
-        buf = mapped_buffer(self._ptr, self._span(), self.device, (self, _ChunkRef(self._chunk)))
-        return StridedMemoryView.from_buffer(buf, d.shape, tuple(s // d.itemsize for s in d.strides), dtype=dt)
+        return DeviceView(self._ptr, d.shape, d.elements[1], dt, self.device, d.span, (self, _ChunkRef(self._chunk)))
 
     def as_tensor(self) -> Any:
         """A ``torch.Tensor`` over the block (``torch.from_dlpack`` / ``torch.from_numpy``; torch imported here).
@@ -544,15 +535,13 @@ class Received:
         d = self.descriptor
         if self._batch is not None and self.device >= 0:
             return self._batch.tensor(self, torch, getattr(torch, d.dtype))
-        import numpy as np
-
         if d.dtype == "bfloat16":
             if self.device < 0:
                 return torch.from_numpy(self._host_view("<i2")).view(torch.bfloat16)
-            return torch.from_dlpack(self._device_view(np.dtype("int16"))).view(torch.bfloat16)
+            return torch.from_dlpack(self._device_view(_device_dtype("int16")).memory_view()).view(torch.bfloat16)
         if self.device < 0:
             return torch.from_numpy(self.as_array())
-        return torch.from_dlpack(self.as_array())
+        return torch.from_dlpack(self.as_array().memory_view())
 
     def as_cupy(self) -> Any:
         """A ``cupy.ndarray`` over the block (``cupy.from_dlpack``; device pools only).
@@ -565,7 +554,7 @@ class Received:
             raise InvalidArgumentError("this array is in host memory: use as_array() (NumPy)")
         cupy = _require("cupy")
 
-        return cupy.from_dlpack(self.as_array())
+        return cupy.from_dlpack(self.as_array().memory_view())
 
     def release(self, *, synchronize: bool = True) -> None:
         """Give the block back to the producer (idempotent). The lease is released when every item
@@ -766,6 +755,8 @@ def _inspect(array: Any) -> _Source:
         dev = array.get_device()  # -1 for CPU tensors
         return _Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
                        dev, array, True)
+    if type(array) is DeviceView:  # (a received array sent on): its device is the one it is mapped on
+        array = array.memory_view()
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         from .. import _driver as driver
@@ -802,6 +793,19 @@ def _inspect(array: Any) -> _Source:
             name = "bfloat16"
         _NUMPY_NAMES[array.dtype] = name
     return _Source(array.ctypes.data, array.shape, array.strides, name, -1, array)
+
+
+#: wire dtype name -> the NumPy dtype of a device view (bfloat16, which NumPy lacks, read as uint16).
+_DEVICE_DTYPES: dict[str, Any] = {}
+
+
+def _device_dtype(name: str) -> Any:
+    dt = _DEVICE_DTYPES.get(name)
+    if dt is None:
+        import numpy as np
+
+        dt = _DEVICE_DTYPES[name] = np.dtype("uint16" if name == "bfloat16" else name)
+    return dt
 
 
 #: NumPy dtype -> wire dtype name (``dtype.name`` builds a new string on every read).

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from ..errors import InvalidArgumentError, PoolExhaustedError
 from .protocol import BLOCK_ALIGN, DTYPES
 
-__all__ = ["ALIGN", "SharedPool", "Block", "EventPool"]
+__all__ = ["ALIGN", "SharedPool", "Block", "DeviceView", "EventPool"]
 
 #: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
 ALIGN = BLOCK_ALIGN
@@ -211,6 +211,73 @@ class HostView:
         self.__array_interface__ = {"version": 3, "data": (ptr, False), "shape": tuple(shape),
                                     "strides": tuple(strides), "typestr": typestr}
         self.keep = keep
+
+
+class DeviceView:
+    """A device array over mapped memory, zero-copy: its address, shape, strides and dtype; a DLPack
+    producer (``torch.from_dlpack``, ``cupy.from_dlpack``) and a ``__cuda_array_interface__`` (v3)
+    exporter. It keeps the owners in ``keep`` alive, and so does anything made from it.
+
+    cuda.core's ``Buffer`` and ``StridedMemoryView`` behind the DLPack export are built on first use
+    (:meth:`memory_view`), not here: in a process that has just woken up they cost tens of µs,
+    most of a hand-off, and a consumer that only needs :attr:`ptr` (a kernel argument) never pays them.
+
+    Attributes:
+        ptr: ``CUdeviceptr`` of the first element.
+        shape: elements per dimension.
+        strides: strides in elements, as ``StridedMemoryView.strides`` (not bytes).
+        dtype: the ``numpy.dtype`` of the elements.
+        device_id: the CUDA ordinal the mapping is accessible from.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device_id", "_nbytes", "_keep", "_view")
+
+    is_device_accessible = True
+    readonly = False
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, device: int,
+                 nbytes: int, keep: tuple) -> None:
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.device_id = device
+        self._nbytes = nbytes  # from ptr to one past the last byte the layout touches (>= 1)
+        self._keep = keep
+        self._view: Any = None
+
+    def memory_view(self) -> Any:
+        """The ``cuda.core.utils.StridedMemoryView`` of this array (made once; it keeps the same owners).
+
+        Raises:
+            CudaError: no context could be made current on :attr:`device_id`.
+        """
+        view = self._view
+        if view is None:
+            from cuda.core.utils import StridedMemoryView
+
+            from ..buffers import mapped_buffer
+
+            # Its owner is the keep tuple, not this object: no reference cycle to delay a release.
+            buf = mapped_buffer(self.ptr, self._nbytes, self.device_id, self._keep)
+            view = self._view = StridedMemoryView.from_buffer(buf, self.shape, self.strides, dtype=self.dtype)
+        return view
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.memory_view().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.memory_view().__dlpack_device__()
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        size = self.dtype.itemsize
+        # No "stream": the reader's stream was made to wait for the writer when the array was received.
+        return {"version": 3, "shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "strides": tuple(s * size for s in self.strides)}
+
+    def __repr__(self) -> str:
+        return f"<DeviceView {self.dtype}{list(self.shape)} at {self.ptr:#x} on GPU {self.device_id}>"
 
 
 def numpy_dtype(name: str) -> Any:

@@ -178,6 +178,11 @@ class ArrayDescriptor:
         return self.shape, tuple(st // size for st in self.strides), (self.block_offset + self.byte_offset) // size
 
     @functools.cached_property
+    def span(self) -> int:
+        """Bytes from the first element to one past the last byte the layout touches (at least 1)."""
+        return max(self.extent() - self.byte_offset, 1)
+
+    @functools.cached_property
     def view_plan(self) -> tuple[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``((chunk, dtype), elements)``: which chunk view a tensor of this array is cut from, and how."""
         return (self.chunk, self.dtype), self.elements

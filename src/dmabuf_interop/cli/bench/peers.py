@@ -354,8 +354,6 @@ class ChannelPeer(Peer):
             # Modules the first hand-off would load, loaded in set-up as torch-ipc's set-up imports torch:
             # the first hand-off measures a fresh channel, not a fresh interpreter.
             from ...mechanisms import memfd, posix_fd  # noqa: F401
-            if not self.host:
-                from cuda.core.utils import StridedMemoryView  # noqa: F401
         self.ch = None  # connected inside the first hand-off, which so measures a fresh channel
         return out
 
