@@ -458,3 +458,32 @@ def test_interrupted_bench_ends_its_children_at_once_without_tracebacks(to_group
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "dmabuf-interop: interrupted"
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of its process group is left
+
+
+def test_source_revision_names_the_commit_and_local_changes_of_the_package_that_ran(tmp_path) -> None:
+    import shutil
+
+    import dmabuf_interop
+
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.dirname(dmabuf_interop.__file__), repo / "src" / "dmabuf_interop",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+    def revision(src) -> object:
+        code = "import json; from dmabuf_interop.cli.bench.environment import _git_revision; print(json.dumps(_git_revision()))"
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(src)},
+                             cwd=tmp_path, check=True, capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout)
+
+    assert revision(repo / "src") == {"commit": head, "src_modified": False}
+    with open(repo / "src" / "dmabuf_interop" / "errors.py", "a") as f:
+        f.write("# a local change\n")
+    assert revision(repo / "src") == {"commit": head, "src_modified": True}
+    (repo / ".gitignore").write_text("copy/\n")
+    shutil.copytree(repo / "src", repo / "copy" / "src")  # an untracked copy inside the work tree: not this commit
+    assert revision(repo / "copy" / "src") is None

@@ -86,16 +86,20 @@ def environment() -> dict[str, Any]:
 
 
 def _git_revision() -> dict[str, Any] | None:
-    """The commit of the source tree this ran from, and whether it had local changes (None outside git)."""
-    root = Path(__file__).resolve().parents[2]
+    """The commit of the source tree this ran from, and whether the package had local changes; None
+    outside git, or when this file is not tracked there (a copy of the package in some other folder)."""
+    here = Path(__file__).resolve()
+    package = here.parents[2]  # .../dmabuf_interop
+    git = ["git", "-C", str(package.parent)]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-                               capture_output=True, text=True, timeout=10)
+        tracked = subprocess.run([*git, "ls-files", "--error-unmatch", "--", str(here)], capture_output=True,
+                                 text=True, timeout=10)
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", str(package)], capture_output=True, text=True,
+                               timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if head.returncode != 0:
+    if tracked.returncode != 0 or head.returncode != 0 or dirty.returncode != 0:
         return None
     return {"commit": head.stdout.strip(), "src_modified": bool(dirty.stdout.strip())}
 
