@@ -394,8 +394,10 @@ def pointer_facts(ptr: int) -> dict[str, int]:
 
     Raises:
         CudaError: ``CUDA_ERROR_INVALID_VALUE`` for a pointer outside unified addressing.
+        NoDriverError, ForkedAfterInitError: see :func:`init`.
     """
     global _POINTER_ATTRIBUTES
+    init()
     drv = bindings()
     if _POINTER_ATTRIBUTES is None:
         a = drv.CUpointer_attribute
@@ -586,6 +588,31 @@ def vmm_allocation_properties(handle: Any) -> dict[str, int]:
 def vmm_retain_handle(ptr: int) -> Any:
     """``cuMemRetainAllocationHandle``: the physical allocation mapped at ``ptr``."""
     return call(bindings().cuMemRetainAllocationHandle, ptr)
+
+
+def pointer_device(ptr: int) -> int:
+    """The CUDA ordinal of the GPU that holds the memory at ``ptr``, or ``-1`` for host memory that
+    CUDA knows (pinned or registered). One ``cuPointerGetAttributes``; for a CUDA VMM mapping, which
+    belongs to no context, the allocation's own location (``cuMemRetainAllocationHandle`` +
+    ``cuMemGetAllocationPropertiesFromHandle``).
+
+    Raises:
+        CudaError: ``ptr`` is not memory CUDA knows (``CUDA_ERROR_INVALID_VALUE``), or a call failed.
+        NoDriverError, ForkedAfterInitError: see :func:`init`.
+    """
+    facts = pointer_facts(ptr)
+    if facts["memory_type"] == 0:
+        raise CudaError("cuPointerGetAttributes", "CUDA_ERROR_INVALID_VALUE", 1,
+                        f"0x{ptr:x} is not memory that CUDA knows")
+    if facts["memory_type"] == memory_type_host():
+        return -1
+    if facts["context"] == 0 and not facts["mempool"]:  # a cuMemMap mapping
+        handle = vmm_retain_handle(ptr)
+        try:
+            return vmm_allocation_device(handle)
+        finally:
+            vmm_release(handle)
+    return facts["ordinal"]
 
 
 # --- channels: interprocess events and asynchronous copies ----------------------

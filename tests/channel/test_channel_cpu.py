@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmabuf_interop.channel import SharedPool, connect, listen, release_all
-from dmabuf_interop.errors import (InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
+from dmabuf_interop.errors import (DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
                                    WaitTimeoutError)
 from dmabuf_interop.fd import open_fds
 
@@ -1229,7 +1229,8 @@ def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: Shar
         connect("tcp://127.0.0.1:1", timeout=1, wait=True)
 
 
-def test_device_view_exports_the_cuda_array_interface_in_bytes_and_keeps_its_owners() -> None:
+def test_device_view_is_a_dlpack_producer_on_its_gpu_that_keeps_its_owners_and_goes_on_with_its_dtype() -> None:
+    from dmabuf_interop.channel.channel import _inspect
     from dmabuf_interop.channel.pool import DeviceView
 
     class Owner:
@@ -1237,14 +1238,34 @@ def test_device_view_exports_the_cuda_array_interface_in_bytes_and_keeps_its_own
 
     owner = Owner()
     alive = weakref.ref(owner)
-    view = DeviceView(0x7F0000001000, (3, 4), (8, 1), np.dtype("float32"), 1, 4 * (2 * 8 + 4), (owner,))
+    view = DeviceView(0x7F0000001000, (3, 4), (8, 1), np.dtype("uint16"), 1, 2 * (2 * 8 + 4), (owner,), "bfloat16")
     del owner
     gc.collect()
     assert alive() is not None  # the view holds what keeps the mapping and the lease
-    assert view.__cuda_array_interface__ == {"version": 3, "shape": (3, 4), "typestr": "<f4",
-                                             "data": (0x7F0000001000, False), "strides": (32, 4)}
+    assert view.__dlpack_device__() == (2, 1)  # kDLCUDA, the GPU the mapping is accessible from
+    assert not hasattr(view, "__cuda_array_interface__")  # it would name the GPU that holds the memory
     assert (view.ptr, view.strides, view.device_id, view.is_device_accessible) == (0x7F0000001000, (8, 1), 1, True)
-    assert repr(view) == "<DeviceView float32[3, 4] at 0x7f0000001000 on GPU 1>"
-    del view
+    assert repr(view) == "<DeviceView uint16[3, 4] at 0x7f0000001000 on GPU 1>"
+    # Sent on: its address, byte strides and the sender's dtype, with no memory view made (no driver here)
+    src = _inspect(view)
+    assert (src.ptr, src.shape, src.strides, src.dtype, src.device) == (0x7F0000001000, (3, 4), (16, 2), "bfloat16", 1)
+    del view, src
     gc.collect()
     assert alive() is None
+
+
+def test_sending_a_cuda_array_interface_object_without_a_gpu_raises_a_typed_error(addr: str, pool: SharedPool) -> None:
+    class FakeDeviceArray:  # what CuPy or numba offer: device memory described by the CUDA array interface
+        __cuda_array_interface__ = {"version": 3, "shape": (4,), "typestr": "<f4", "data": (0x7F0000001000, False)}
+
+    listener, prod, cons = pair(addr, pool)
+    try:
+        with pytest.raises(DmaBufError):  # NoDriverError (or CudaError): never an AttributeError
+            prod.send(FakeDeviceArray())
+        lease = prod.send(np.arange(3))  # the channel is as it was
+        with cons.recv(5) as r:
+            assert r.as_array().tolist() == [0, 1, 2]
+        lease.wait(5)
+    finally:
+        for c in (prod, cons, listener):
+            c.close()

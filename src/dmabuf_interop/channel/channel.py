@@ -516,7 +516,8 @@ class Received:
 
     def _device_view(self, dt: Any) -> DeviceView:
         d = self.descriptor
-        return DeviceView(self._ptr, d.shape, d.elements[1], dt, self.device, d.span, (self, _ChunkRef(self._chunk)))
+        return DeviceView(self._ptr, d.shape, d.elements[1], dt, self.device, d.span, (self, _ChunkRef(self._chunk)),
+                          d.dtype)
 
     def as_tensor(self) -> Any:
         """A ``torch.Tensor`` over the block (``torch.from_dlpack`` / ``torch.from_numpy``; torch imported here).
@@ -755,8 +756,10 @@ def _inspect(array: Any) -> _Source:
         dev = array.get_device()  # -1 for CPU tensors
         return _Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
                        dev, array, True)
-    if type(array) is DeviceView:  # (a received array sent on): its device is the one it is mapped on
-        array = array.memory_view()
+    if type(array) is DeviceView:  # a received array sent on, as it is mapped here (no memory view made)
+        size = array.dtype.itemsize
+        return _Source(array.ptr, array.shape, tuple(st * size for st in array.strides), array._wire_dtype,
+                       array.device_id, array, True)
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         from .. import _driver as driver
@@ -765,7 +768,7 @@ def _inspect(array: Any) -> _Source:
         shape = tuple(cai["shape"])
         ptr = int(cai["data"][0])
         strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dt.itemsize)
-        dev = driver.pointer_device_ordinal(ptr) if ptr else 0
+        dev = driver.pointer_device(ptr) if ptr else 0
         return _Source(ptr, shape, strides, dt.name, dev, array)
     if isinstance(array, np.ndarray):
         _SIG_KINDS.setdefault(type(array), 2)
@@ -905,7 +908,9 @@ class Channel:
             segments: :mod:`.segments`) in place instead of copying it into the pool
             (default ``True``; set it ``False`` to always copy).
 
-    Args (given by the rendezvous, not by callers):
+    The rendezvous makes it and gives these arguments; callers do not.
+
+    Args:
         sock: the connected AF_UNIX stream socket (owned from now on).
         peer: who is on the other end.
         pool: the pool that :meth:`send` copies into (``None``: this end only
@@ -1178,7 +1183,8 @@ class Channel:
         The first use of a chunk sends its fds (``SCM_RIGHTS``) once.
 
         Args:
-            array: NumPy, torch, CuPy, ``StridedMemoryView``, or anything ``numpy.asarray`` takes.
+            array: NumPy, torch, CuPy (or any ``__cuda_array_interface__`` exporter), ``StridedMemoryView``,
+                a received :class:`.pool.DeviceView`, or anything ``numpy.asarray`` takes.
             stream: device pools: the stream the writes were queued on (cuda.core / torch / CuPy
                 stream or a raw handle; ``None``: the legacy default stream).
             meta: a JSON object (at most 64 KiB) delivered with the array.

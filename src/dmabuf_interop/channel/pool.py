@@ -214,29 +214,35 @@ class HostView:
 
 
 class DeviceView:
-    """A device array over mapped memory, zero-copy: its address, shape, strides and dtype; a DLPack
-    producer (``torch.from_dlpack``, ``cupy.from_dlpack``) and a ``__cuda_array_interface__`` (v3)
-    exporter. It keeps the owners in ``keep`` alive, and so does anything made from it.
+    """A device array over mapped memory, zero-copy: its address, shape, strides and dtype, and a
+    DLPack producer (``torch.from_dlpack``, ``cupy.from_dlpack``). It keeps the owners in ``keep``
+    alive (for a :class:`~.channel.Received`: the Received, so its lease, and the chunk's mapping),
+    and so does anything made from it. Its contents are valid until the Received is released.
 
     cuda.core's ``Buffer`` and ``StridedMemoryView`` behind the DLPack export are built on first use
-    (:meth:`memory_view`), not here: in a process that has just woken up they cost tens of µs,
-    most of a hand-off, and a consumer that only needs :attr:`ptr` (a kernel argument) never pays them.
+    (:meth:`memory_view`), not here: in a process that has just woken up they cost tens of µs, and
+    a consumer that only needs :attr:`ptr` (a kernel argument) never pays for them. Making the view
+    calls no driver function. It has no ``__cuda_array_interface__``: that names no device, and a
+    consumer would ask the driver, which answers with the GPU that holds the memory, not the one
+    the mapping is accessible from.
 
     Attributes:
-        ptr: ``CUdeviceptr`` of the first element.
+        ptr: ``CUdeviceptr`` of the first element: a 256-byte aligned block plus the array's byte
+            offset, so aligned to the itemsize.
         shape: elements per dimension.
         strides: strides in elements, as ``StridedMemoryView.strides`` (not bytes).
-        dtype: the ``numpy.dtype`` of the elements.
-        device_id: the CUDA ordinal the mapping is accessible from.
+        dtype: the ``numpy.dtype`` of the elements (bfloat16, which NumPy lacks, as uint16).
+        device_id: the CUDA ordinal the mapping is accessible from (``__dlpack_device__``).
+        is_device_accessible: True. readonly: False.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device_id", "_nbytes", "_keep", "_view")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device_id", "_nbytes", "_keep", "_view", "_wire_dtype")
 
     is_device_accessible = True
     readonly = False
 
     def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, device: int,
-                 nbytes: int, keep: tuple) -> None:
+                 nbytes: int, keep: tuple, wire_dtype: str) -> None:
         self.ptr = ptr
         self.shape = shape
         self.strides = strides
@@ -245,12 +251,18 @@ class DeviceView:
         self._nbytes = nbytes  # from ptr to one past the last byte the layout touches (>= 1)
         self._keep = keep
         self._view: Any = None
+        self._wire_dtype = wire_dtype  # the sender's dtype name (bfloat16 stays bfloat16 when sent on)
 
     def memory_view(self) -> Any:
-        """The ``cuda.core.utils.StridedMemoryView`` of this array (made once; it keeps the same owners).
+        """The ``cuda.core.utils.StridedMemoryView`` of this array, made once; it keeps the same owners.
+
+        Makes the primary context of :attr:`device_id` current (``cuCtxGetCurrent``, and on a thread's
+        first use ``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``) for its default stream.
 
         Raises:
             CudaError: no context could be made current on :attr:`device_id`.
+            NoDriverError: no CUDA driver in this process.
+            ForkedAfterInitError: this process was forked after CUDA was initialised.
         """
         view = self._view
         if view is None:
@@ -263,18 +275,15 @@ class DeviceView:
             view = self._view = StridedMemoryView.from_buffer(buf, self.shape, self.strides, dtype=self.dtype)
         return view
 
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.memory_view().__dlpack__(*args, **kwargs)
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """A DLPack capsule (``StridedMemoryView.__dlpack__``, given the caller's keyword arguments:
+        ``stream``, ``max_version``, ``dl_device``, ``copy``). Raises what it raises: ``BufferError``,
+        ``CudaError``, and those of :meth:`memory_view`."""
+        return self.memory_view().__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return self.memory_view().__dlpack_device__()
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        size = self.dtype.itemsize
-        # No "stream": the reader's stream was made to wait for the writer when the array was received.
-        return {"version": 3, "shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
-                "strides": tuple(s * size for s in self.strides)}
+        """``(kDLCUDA, device_id)``: DLPack's device type 2 and the GPU the mapping is accessible from."""
+        return (2, self.device_id)
 
     def __repr__(self) -> str:
         return f"<DeviceView {self.dtype}{list(self.shape)} at {self.ptr:#x} on GPU {self.device_id}>"
