@@ -494,8 +494,8 @@ class Received:
         Returns:
             host: a writable NumPy array over the shared pages (bfloat16 needs ``ml_dtypes``);
             device: a :class:`.pool.DeviceView`: ``ptr``, ``shape``, ``strides`` (elements),
-            ``dtype`` (bfloat16 as uint16), a DLPack producer and ``__cuda_array_interface__``;
-            ``memory_view()`` gives cuda.core's ``StridedMemoryView``. Either keeps this Received
+            ``dtype`` (bfloat16 as uint16), a DLPack producer; ``memory_view()`` gives cuda.core's
+            ``StridedMemoryView``. Making it calls no driver function. Either keeps this Received
             alive while it lives; its contents are valid until :meth:`release`.
 
         Raises:
