@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from .errors import InvalidArgumentError
 
-__all__ = ["deadline_after", "remaining"]
+__all__ = ["check_timeout", "deadline_after", "remaining"]
+
+#: The longest wait the platform's locks and sockets take (``threading.TIMEOUT_MAX``, about 292 years);
+#: a longer timeout, ``math.inf`` included, waits forever, as ``None`` does.
+LONGEST = threading.TIMEOUT_MAX
 
 
-def deadline_after(timeout: float | None) -> float | None:
-    """``time.monotonic() + timeout``; ``None`` (wait forever) stays ``None``.
+def check_timeout(timeout: float | None) -> float | None:
+    """A caller's timeout in seconds, checked: ``None`` (wait forever) for ``None`` and for any
+    timeout of :data:`LONGEST` or more (``math.inf``), else the number itself.
 
     Raises:
         InvalidArgumentError: not a number, negative, or NaN.
@@ -21,7 +27,18 @@ def deadline_after(timeout: float | None) -> float | None:
         raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
     if not timeout >= 0:  # also refuses NaN, which would never expire
         raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
-    return time.monotonic() + timeout
+    return None if timeout >= LONGEST else timeout
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """``time.monotonic() + timeout``; ``None`` (wait forever) for ``None`` and for a timeout of
+    :data:`LONGEST` or more.
+
+    Raises:
+        InvalidArgumentError: not a number, negative, or NaN.
+    """
+    timeout = check_timeout(timeout)
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -1269,3 +1269,47 @@ def test_sending_a_cuda_array_interface_object_without_a_gpu_raises_a_typed_erro
     finally:
         for c in (prod, cons, listener):
             c.close()
+
+
+def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_with_typed_errors(addr: str) -> None:
+    import math
+
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as small:
+        listener = listen(addr, pool=small)
+        get = in_thread(lambda: connect(addr, timeout=math.inf))  # no limit: a socket takes no inf
+        prod = listener.accept(math.inf)
+        cons = get()
+        try:
+            full = small.empty(1 << 16, "uint8", timeout=math.inf)  # there is room: no wait
+            for bad in (float("nan"), -1, "1", True):
+                with pytest.raises(InvalidArgumentError, match="timeout"):
+                    small.empty(16, "uint8", timeout=bad)  # NaN once spun forever on a full pool
+            with pytest.raises(PoolExhaustedError):
+                small.empty(16, "uint8", timeout=0)
+            lease = prod.send(full)
+            r = cons.recv(math.inf)
+            for bad in (float("nan"), -1):
+                with pytest.raises(InvalidArgumentError, match="timeout"):
+                    lease.wait(bad)
+            threading.Timer(0.2, r.release).start()
+            lease.wait(math.inf)  # was OverflowError; now waits for the release
+            lease.wait(1e12)  # done: returns at once
+            assert lease.reason == "released"
+        finally:
+            prod.close(timeout=math.inf)
+            cons.close(timeout=1e300)
+            listener.close()
+
+
+def test_release_all_takes_a_recv_many_dict_as_it_is(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    try:
+        lease = prod.send_many({"a": np.arange(3), "b": np.ones(2)})
+        batch = cons.recv_many(5)
+        release_all(batch)  # the dict itself, as as_tensors takes it
+        lease.wait(5)
+        with pytest.raises(InvalidArgumentError, match="Received"):
+            release_all(["not a Received"])
+    finally:
+        for c in (prod, cons, listener):
+            c.close()

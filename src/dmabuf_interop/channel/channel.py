@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .._time import deadline_after, remaining
+from .._time import LONGEST, check_timeout, deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
@@ -119,12 +119,17 @@ class Lease:
     def wait(self, timeout: float | None = 60.0) -> None:
         """Wait until the peer has released the block(s).
 
+        Args:
+            timeout: seconds (``None`` or ``math.inf``: forever).
+
         Raises:
             WaitTimeoutError: still lent out after ``timeout`` seconds.
+            InvalidArgumentError: ``timeout`` is not a number >= 0 or ``None``.
         """
+        limit = check_timeout(timeout)
         if not self._out.locked():
             return
-        if not self._out.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+        if not self._out.acquire(timeout=-1 if limit is None else limit):
             raise WaitTimeoutError(f"lease {self.id} still held by the peer after {timeout} s")
         self._out.release()
 
@@ -644,11 +649,15 @@ def _require(module: str) -> Any:
         raise NotSupportedError(f"{module} is not installed ({exc}): use as_array() (DLPack / NumPy)") from exc
 
 
-def release_all(items: Iterable[Received]) -> None:
-    """Release many :class:`Received` (a ``recv_many`` batch: its dict's values, or its list):
-    each distinct (device, stream) is synchronised once (``cuStreamSynchronize``), not once per item.
+def release_all(items: Mapping[str, Received] | Iterable[Received]) -> None:
+    """Release many :class:`Received` (a ``recv_many`` batch: its dict, or its list, or any iterable
+    of them): each distinct (device, stream) is synchronised once (``cuStreamSynchronize``), not once
+    per item.
+
+    Raises:
+        InvalidArgumentError: an item is not a Received.
     """
-    items = list(items)
+    items = list(items.values() if isinstance(items, Mapping) else items)
     bad = next((r for r in items if not isinstance(r, Received)), None)
     if bad is not None:
         raise InvalidArgumentError(f"release_all takes Received objects, got {type(bad).__name__}")
@@ -1011,7 +1020,7 @@ class Channel:
             if not isinstance(exc, DmaBufError):
                 raise  # (KeyboardInterrupt and the like stay what they are)
             what = "was cut off" if cut else "could not go"
-            raise PeerClosedError(f"a {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
+            raise PeerClosedError(f"the {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
                                   f"ended") from exc
 
     def _set_error(self, exc: BaseException) -> None:
@@ -1625,7 +1634,7 @@ class Channel:
             self._set_error(exc)
             self._end()
         except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
-            self._set_error(ProtocolError(f"a {msg.get('kind')!r} message could not be handled: "
+            self._set_error(ProtocolError(f"the peer's {msg.get('kind')!r} message could not be handled: "
                                           f"{type(exc).__name__}: {exc}"))
             self._end()
         finally:
@@ -1635,7 +1644,7 @@ class Channel:
     def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         kind, descs = parse_message(msg)
         if fds and kind != "chunk":
-            raise ProtocolError(f"a {kind!r} message carried an fd")
+            raise ProtocolError(f"the peer's {kind!r} message carried an fd")
         if kind == "chunk":
             if len(fds) != len(msg["parts"]):
                 raise ProtocolError(f"a chunk message of {len(msg['parts'])} part(s) carried {len(fds)} fd(s)")
@@ -1812,7 +1821,8 @@ class Channel:
             return
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
-        wait = None if timeout is None else max(0.0, timeout)  # (a negative one: none left)
+        # (A negative one: none left; math.inf or one past what a lock takes: no limit.)
+        wait = None if timeout is None or timeout >= LONGEST else max(0.0, timeout)
         deadline = deadline_after(wait)
         locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:
@@ -1861,7 +1871,8 @@ class Channel:
 
     @property
     def closed(self) -> bool:
-        """True once either end has ended the connection."""
+        """True once this end has closed the channel, or has seen the connection end. (A channel
+        that has only received reads the socket in :meth:`recv`, so it sees the peer's end there.)"""
         return self._closed or self._eof
 
     def __enter__(self) -> "Channel":

@@ -24,6 +24,7 @@ import time
 import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
+from .._time import deadline_after
 from ..errors import InvalidArgumentError, PoolExhaustedError
 from .protocol import BLOCK_ALIGN, DTYPES
 
@@ -404,7 +405,8 @@ class SharedPool:
         blocks to come back.
 
         Raises:
-            InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``.
+            InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``; ``timeout``
+                is not a number >= 0 or ``None`` (``math.inf`` waits forever, as ``None`` does).
             PoolExhaustedError: no room within ``timeout``.
             SyscallError, CudaError: exporting a new chunk failed.
         """
@@ -413,7 +415,7 @@ class SharedPool:
         n = _round_up(max(nbytes, 1), ALIGN)
         if n > self.max_bytes:
             raise InvalidArgumentError(f"a {nbytes}-byte block can never fit in a pool of max_bytes {self.max_bytes}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         while True:
             with self._cond:
                 while True:

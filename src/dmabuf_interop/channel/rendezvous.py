@@ -267,7 +267,7 @@ def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: fl
         except OSError as exc:
             raise SyscallError("socket(AF_UNIX)", exc) from exc
         try:
-            sock.settimeout(timeout)
+            sock.settimeout(None if deadline is None else timeout)  # (None also for math.inf: deadline_after)
             sock.connect(addr)
             return sock
         except OSError as exc:  # ENOENT / ECONNREFUSED: nothing listens on that address (yet)
