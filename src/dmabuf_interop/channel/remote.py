@@ -35,7 +35,7 @@ import urllib.parse
 import weakref
 from typing import Any
 
-from .._time import deadline_after, remaining
+from .._time import check_timeout, deadline_after, remaining
 from ..errors import (InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError, ProtocolError,
                       SyscallError, TransferError, WaitTimeoutError)
 from .auth import authenticate_connector, authenticate_listener, load_secret
@@ -675,7 +675,7 @@ def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPo
     secret = load_secret(token, token_file)
     nixl_module()
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = socket.create_connection((host, port), timeout=check_timeout(timeout))  # (math.inf: None)
     except socket.timeout as exc:
         raise WaitTimeoutError(f"connect to {address} took more than {timeout} s") from exc
     except OSError as exc:
