@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 
@@ -23,8 +24,9 @@ def check_timeout(timeout: float | None) -> float | None:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):  # (NumPy scalars are Real)
         raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    timeout = float(timeout)
     if not timeout >= 0:  # also refuses NaN, which would never expire
         raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
     return None if timeout >= LONGEST else timeout

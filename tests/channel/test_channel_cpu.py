@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmabuf_interop.channel import SharedPool, connect, listen, release_all
-from dmabuf_interop.errors import (DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError, PoolExhaustedError,
-                                   WaitTimeoutError)
+from dmabuf_interop.errors import (CudaError, InvalidArgumentError, NoDriverError, PeerClosedError, PeerRefusedError,
+                                   PoolExhaustedError, WaitTimeoutError)
 from dmabuf_interop.fd import open_fds
 
 from tests.helpers import env_with_src
@@ -1260,7 +1260,7 @@ def test_sending_a_cuda_array_interface_object_without_a_gpu_raises_a_typed_erro
 
     listener, prod, cons = pair(addr, pool)
     try:
-        with pytest.raises(DmaBufError):  # NoDriverError (or CudaError): never an AttributeError
+        with pytest.raises((NoDriverError, CudaError)):  # never an AttributeError
             prod.send(FakeDeviceArray())
         lease = prod.send(np.arange(3))  # the channel is as it was
         with cons.recv(5) as r:
@@ -1280,21 +1280,36 @@ def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_wit
         prod = listener.accept(math.inf)
         cons = get()
         try:
-            full = small.empty(1 << 16, "uint8", timeout=math.inf)  # there is room: no wait
+            full = small.empty((1 << 16) - 256, "uint8", timeout=math.inf)  # there is room: no wait
+            tiny = small.empty(4, "uint8", timeout=1e300)  # the last 256-byte block: the pool is full
             for bad in (float("nan"), -1, "1", True):
                 with pytest.raises(InvalidArgumentError, match="timeout"):
                     small.empty(16, "uint8", timeout=bad)  # NaN once spun forever on a full pool
-            with pytest.raises(PoolExhaustedError):
-                small.empty(16, "uint8", timeout=0)
-            lease = prod.send(full)
-            r = cons.recv(math.inf)
+                with pytest.raises(InvalidArgumentError, match="timeout"):
+                    cons.recv(bad)
+            for none_left in (0, np.int64(0), np.float32(0.0)):  # NumPy scalars are numbers of seconds too
+                with pytest.raises(PoolExhaustedError):
+                    small.empty(16, "uint8", timeout=none_left)
+            # Two threads in recv with no limit (None, math.inf): one reads, the other waits on a condition,
+            # which once raised OverflowError for math.inf.
+            first, second = in_thread(lambda: cons.recv(None)), in_thread(lambda: cons.recv(math.inf))
+            time.sleep(0.2)
+            leases = [prod.send(full), prod.send(tiny)]
+            got = [first(), second()]
+            assert sorted(r.shape for r in got) == [(4,), ((1 << 16) - 256,)]
+            lease = leases[0]
             for bad in (float("nan"), -1):
                 with pytest.raises(InvalidArgumentError, match="timeout"):
                     lease.wait(bad)
-            threading.Timer(0.2, r.release).start()
+            big = next(r for r in got if r.shape != (4,))
+            threading.Timer(0.2, big.release).start()
             lease.wait(math.inf)  # was OverflowError; now waits for the release
-            lease.wait(1e12)  # done: returns at once
-            assert lease.reason == "released"
+            small_one = next(r for r in got if r.shape == (4,))
+            threading.Timer(0.2, small_one.release).start()
+            leases[1].wait(1e12)  # past what a lock takes: no limit, and it waits for the release
+            assert [x.reason for x in leases] == ["released", "released"]
+            with pytest.raises(InvalidArgumentError, match="timeout"):
+                prod.close(timeout=float("nan"))
         finally:
             prod.close(timeout=math.inf)
             cons.close(timeout=1e300)

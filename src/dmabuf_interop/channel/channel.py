@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import itertools
 import math
+import numbers
 import operator
 import os
 import socket
@@ -33,7 +34,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .._time import LONGEST, check_timeout, deadline_after, remaining
+from .._time import check_timeout, deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, NotSupportedError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fd import OwnedFd
@@ -1193,7 +1194,9 @@ class Channel:
 
         Args:
             array: NumPy, torch, CuPy (or any ``__cuda_array_interface__`` exporter), ``StridedMemoryView``,
-                a received :class:`.pool.DeviceView`, or anything ``numpy.asarray`` takes.
+                a received :class:`.pool.DeviceView`, or anything ``numpy.asarray`` takes. (Send a received
+                array on as its DeviceView, not as a CuPy view of it: the CUDA array interface names no
+                device, and the driver answers with the GPU that holds the memory, not the one it is mapped for.)
             stream: device pools: the stream the writes were queued on (cuda.core / torch / CuPy
                 stream or a raw handle; ``None``: the legacy default stream).
             meta: a JSON object (at most 64 KiB) delivered with the array.
@@ -1430,9 +1433,7 @@ class Channel:
     # --- receiving ------------------------------------------------------------------
 
     def _next(self, timeout: float | None, want_batch: bool) -> Any:
-        if timeout is not None and not timeout >= 0:
-            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
             if self._pending and not self._queue:
@@ -1822,7 +1823,9 @@ class Channel:
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
         # (A negative one: none left; math.inf or one past what a lock takes: no limit.)
-        wait = None if timeout is None or timeout >= LONGEST else max(0.0, timeout)
+        if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout < 0:
+            timeout = 0.0
+        wait = check_timeout(timeout)
         deadline = deadline_after(wait)
         locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:

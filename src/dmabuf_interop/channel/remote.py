@@ -280,19 +280,19 @@ class RemoteChannel(Channel):
     Attributes:
         transport: ``{"mechanism": "nixl", "backend": ..., "ucx_tls": ..., "ucx_net_devices": ...}``;
             ``backend`` is ``query_xfer_backend`` of the last READ (``None`` before the first).
-        xfer_timeout: seconds a READ may take before :class:`WaitTimeoutError`.
+        xfer_timeout: seconds a READ may take before :class:`WaitTimeoutError` (``None``: no limit).
     """
 
     share_segments = False  # NIXL reads registered pool chunks only: torch's pages are copied into the pool
     _views_follow_layout = False  # each item is read into a block of its own (_make_received)
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, agent: _Agent, remote_agent: str, *,
-                 pool: SharedPool | None, device: int | None, xfer_timeout: float) -> None:
+                 pool: SharedPool | None, device: int | None, xfer_timeout: float | None) -> None:
         self._agent = agent
         self._remote = remote_agent
         self._own_pool: SharedPool | None = None
         self._xfer_lock = threading.Lock()
-        self.xfer_timeout = xfer_timeout
+        self.xfer_timeout = check_timeout(xfer_timeout)  # None (or math.inf): no limit
         self.transport: dict[str, Any] = {"mechanism": "nixl", "backend": None,
                                           "ucx_tls": os.environ.get("UCX_TLS", "all"),
                                           "ucx_net_devices": os.environ.get("UCX_NET_DEVICES", "all")}
@@ -487,12 +487,12 @@ class RemoteChannel(Channel):
         handle = a.call("initialize_xfer", "READ", ldescs, rdescs, self._remote)
         try:
             state = a.call("transfer", handle)
-            deadline = time.monotonic() + self.xfer_timeout
+            deadline = deadline_after(self.xfer_timeout)
             eof_at = None
             spins = 0
             while state == "PROC":
                 now = time.monotonic()
-                if now > deadline:
+                if deadline is not None and now > deadline:
                     raise WaitTimeoutError(f"NIXL READ of {sum(n for _, n, _ in local)} bytes not done within "
                                            f"{self.xfer_timeout} s")
                 if self._eof and eof_at is None:
@@ -532,7 +532,7 @@ class RemoteChannel(Channel):
 
 
 def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listener: bool, pool: SharedPool | None,
-               device: int | None, xfer_timeout: float) -> RemoteChannel:
+               device: int | None, xfer_timeout: float | None) -> RemoteChannel:
     """Authenticate, exchange hello and NIXL metadata; the listener speaks first at each step."""
     deadline = deadline_after(timeout)
 
@@ -589,7 +589,7 @@ class RemoteListener(ListenerBase):
     """A listening ``tcp://`` address; :meth:`accept` hands out one :class:`RemoteChannel` per consumer."""
 
     def __init__(self, sock: socket.socket, secret: bytes, *, pool: SharedPool | None, device: int | None,
-                 xfer_timeout: float) -> None:
+                 xfer_timeout: float | None) -> None:
         self._sock = sock
         self._stopped = False  # set before the socket is shut down: accept() then knows why it woke
         self._secret = secret
@@ -631,21 +631,23 @@ class RemoteListener(ListenerBase):
 
 def listen_remote(address: str, *, pool: SharedPool | None = None, device: int | None = None, backlog: int = 64,
                   token: str | bytes | None = None, token_file: str | os.PathLike[str] | None = None,
-                  xfer_timeout: float = 60.0) -> RemoteListener:
+                  xfer_timeout: float | None = 60.0) -> RemoteListener:
     """Listen on ``tcp://HOST:PORT`` (port 0: any free port; :attr:`RemoteListener.address` has it).
 
     Args:
         pool: the pool arrays are lent from (and received into, when this side receives).
         device: the GPU of the private receive pool made when ``pool`` is ``None``.
         token, token_file: the shared secret (else ``$DMABUF_INTEROP_TOKEN``), at least 16 bytes.
-        xfer_timeout: seconds a NIXL READ may take.
+        xfer_timeout: seconds a NIXL READ may take (``None`` or ``math.inf``: no limit; NaN or a
+            negative one is ``InvalidArgumentError``).
 
     Raises:
-        InvalidArgumentError: a bad address or secret. NotSupportedError: NIXL is not installed.
+        InvalidArgumentError: a bad address, secret or xfer_timeout. NotSupportedError: NIXL is not installed.
         SyscallError: ``socket``/``bind``/``listen`` failed.
     """
     host, port = _parse_address(address)
     secret = load_secret(token, token_file)
+    check_timeout(xfer_timeout)  # refused here, not at the first READ
     nixl_module()
     try:
         sock = socket.create_server((host, port), backlog=backlog)
@@ -656,7 +658,7 @@ def listen_remote(address: str, *, pool: SharedPool | None = None, device: int |
 
 def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPool | None = None,
                    device: int | None = None, token: str | bytes | None = None,
-                   token_file: str | os.PathLike[str] | None = None, xfer_timeout: float = 60.0) -> RemoteChannel:
+                   token_file: str | os.PathLike[str] | None = None, xfer_timeout: float | None = 60.0) -> RemoteChannel:
     """Connect to a ``tcp://HOST:PORT`` listener, authenticate, and exchange NIXL metadata.
 
     Args:
@@ -673,6 +675,7 @@ def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPo
     """
     host, port = _parse_address(address)
     secret = load_secret(token, token_file)
+    check_timeout(xfer_timeout)  # refused here, not at the first READ
     nixl_module()
     try:
         sock = socket.create_connection((host, port), timeout=check_timeout(timeout))  # (math.inf: None)
