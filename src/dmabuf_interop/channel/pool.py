@@ -20,11 +20,10 @@ import contextlib
 import itertools
 import operator
 import threading
-import time
 import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
-from .._time import deadline_after
+from .._time import deadline_after, remaining
 from ..errors import InvalidArgumentError, PoolExhaustedError
 from .protocol import BLOCK_ALIGN, DTYPES
 
@@ -436,12 +435,12 @@ class SharedPool:
                     idle = sum(c.size for c in self._chunks if not c.blocks)
                     if idle and total - idle + size <= self.max_bytes:
                         break  # idle chunks too small for this block: retire them (below) to make room
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    left = remaining(deadline)
+                    if left is not None and left <= 0:
                         raise PoolExhaustedError(
                             f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
                             f"{self.max_bytes} bytes are in use or lent out")
-                    self._cond.wait(remaining)
+                    self._cond.wait(left)
             self.trim()  # outside the lock: retiring a chunk tells every channel that has it
 
     def used_bytes_locked(self) -> int:

@@ -292,7 +292,7 @@ class RemoteChannel(Channel):
         self._remote = remote_agent
         self._own_pool: SharedPool | None = None
         self._xfer_lock = threading.Lock()
-        self.xfer_timeout = check_timeout(xfer_timeout)  # None (or math.inf): no limit
+        self.xfer_timeout = xfer_timeout  # checked by listen_remote / connect_remote: None is no limit
         self.transport: dict[str, Any] = {"mechanism": "nixl", "backend": None,
                                           "ucx_tls": os.environ.get("UCX_TLS", "all"),
                                           "ucx_net_devices": os.environ.get("UCX_NET_DEVICES", "all")}
@@ -647,7 +647,7 @@ def listen_remote(address: str, *, pool: SharedPool | None = None, device: int |
     """
     host, port = _parse_address(address)
     secret = load_secret(token, token_file)
-    check_timeout(xfer_timeout)  # refused here, not at the first READ
+    xfer_timeout = check_timeout(xfer_timeout)  # refused here, not at the first READ; math.inf is None
     nixl_module()
     try:
         sock = socket.create_server((host, port), backlog=backlog)
@@ -675,7 +675,7 @@ def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPo
     """
     host, port = _parse_address(address)
     secret = load_secret(token, token_file)
-    check_timeout(xfer_timeout)  # refused here, not at the first READ
+    xfer_timeout = check_timeout(xfer_timeout)  # refused here, not at the first READ; math.inf is None
     nixl_module()
     try:
         sock = socket.create_connection((host, port), timeout=check_timeout(timeout))  # (math.inf: None)
