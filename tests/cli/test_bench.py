@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dmabuf_interop.cli._units import MAX_SIZE, parse_size
+from dmabuf_interop.cli._units import MAX_SIZE, parse_size, size_label
 from dmabuf_interop.cli.bench import parse_sizes
 from dmabuf_interop.cli.bench.catalog import MECHANISMS
 from dmabuf_interop.cli.bench.protocol import SPEC, check, make
-from dmabuf_interop.cli.bench.report import size_label
-from dmabuf_interop.cli.bench.runner import PHASES, percentile
+from dmabuf_interop.cli.bench.runner import PHASES
+from dmabuf_interop.cli.bench.stats import percentile
 from dmabuf_interop.errors import ProtocolError
 from dmabuf_interop.fdpass import recv_message, send_message
 from tests.helpers import env_with_src, run_cli

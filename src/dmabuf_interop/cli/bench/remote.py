@@ -11,7 +11,7 @@ then ``--reps`` timed ones. GB/s is 1e9 bytes per second. UCX is pinned to
 ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the caller set them (``UCX_TLS=tcp,cuda_copy``
 where NVIDIA GPUs are present, since NIXL's UCX backend refuses ``tcp`` alone there).
 
-The peers are this module run as ``python -m dmabuf_interop.cli.bench.remote --role ...``.
+The peers are this module run as children (:mod:`.child`), roles ``producer`` and ``bare``.
 """
 
 from __future__ import annotations
@@ -19,35 +19,35 @@ from __future__ import annotations
 import argparse
 import base64
 import glob
-import json
 import os
 import secrets
-import subprocess
+import socket
 import sys
 import tempfile
 import time
 from typing import Any
 
-__all__ = ["run", "main", "OVERHEAD_TARGET_PCT"]
+from .._units import MiB
+from .child import Child, finish, report, serve, start
 
-#: The channel may cost at most this much throughput against the bare READ loop, percent.
-OVERHEAD_TARGET_PCT = 10.0
+__all__ = ["run", "bench"]
 
 
 def _pool(sizes: list[int]) -> Any:
     from ...channel import SharedPool
 
-    top = max(sizes)
-    return SharedPool(None, chunk_bytes=top + (1 << 20), max_bytes=2 * (top + (1 << 20)))
+    chunk = max(sizes) + MiB
+    return SharedPool(None, chunk_bytes=chunk, max_bytes=2 * chunk)
 
 
-def _producer(address: str, sizes: list[int], count: int) -> None:
+def _producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket]) -> None:
     """Lend one filled array ``count`` times per size over a channel at ``address``."""
     from ...channel import listen
 
+    sizes, count = cfg["sizes"], cfg["count"]
     pool = _pool(sizes)
-    with listen(address, pool=pool) as listener:
-        print(f"listening {listener.address}", flush=True)
+    with listen(cfg["address"], pool=pool) as listener:
+        report(ctl, {"ready": True, "address": listener.address})
         ch = listener.accept(120)
         for size in sizes:
             a = pool.empty(size, "uint8")
@@ -67,31 +67,49 @@ def _nixl_agent(role: str) -> Any:
     return nixl.nixl_agent(f"bench-{role}-{os.getpid()}", nixl.nixl_agent_config(backends=["UCX"]))
 
 
-def _bare_producer(sizes: list[int]) -> None:
-    """Register one host buffer, print its address and the agent's metadata, serve READs until stdin closes."""
+def _bare_producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket]) -> None:
+    """Register one host buffer, report its address and the agent's metadata, serve READs until told to stop."""
     import numpy as np
 
+    from ...fdpass import recv_message
+
     agent = _nixl_agent("bare")
-    buf = np.full(max(sizes), 7, np.uint8)
+    buf = np.full(max(cfg["sizes"]), 7, np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    print(json.dumps({"addr": buf.ctypes.data, "md": base64.b64encode(agent.get_agent_metadata()).decode()}),
-          flush=True)
-    sys.stdin.read()  # until the reader is done
+    report(ctl, {"ready": True, "addr": buf.ctypes.data, "md": base64.b64encode(agent.get_agent_metadata()).decode()})
+    recv_message(ctl, cfg["timeout"], max_fds=0)  # "stop": the reader is done
     agent.deregister_memory(reg)
 
 
-def _spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
-    from .runner import _child_env
+def _start(role: str, cfg: dict[str, Any], timeout: float) -> tuple[Child, dict[str, Any]]:
+    """A started peer and its ``ready`` report.
 
-    p = subprocess.Popen([sys.executable, "-m", "dmabuf_interop.cli.bench.remote", *args], env=_child_env(),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    line = p.stdout.readline().strip()
-    if not line:
-        p.kill()
-        p.wait(30)
-        raise RuntimeError(f"the {args[1]} process exited without starting (its stderr is above)")
-    return p, line
+    Raises:
+        RuntimeError: the peer failed before it was ready (its reason).
+    """
+    child = start("remote", role, cfg)
+    ready = child.result(timeout)
+    if not ready.get("ready"):
+        finish([child], timeout, [ready])
+        raise RuntimeError(f"the {role} process did not start: {ready.get('reason')}")
+    return child, ready
+
+
+def _stop(child: Child, timeout: float, stop: bool = False) -> None:
+    """Tell a peer to stop (``stop``), then take its result and reap it.
+
+    Raises:
+        RuntimeError: the peer reported a failure.
+    """
+    res: dict[str, Any] = {}
+    try:
+        if stop:
+            child.send({"stop": True})
+        res = child.result(timeout)
+    finally:
+        finish([child], timeout, [res])
+    if res.get("status") != "ok":
+        raise RuntimeError(f"the {child.role} process failed: {res.get('reason')}")
 
 
 def _timed(size: int, warmup: int, reps: int, once: Any) -> float:
@@ -162,19 +180,23 @@ def run(sizes: list[int], warmup: int = 1, reps: int = 20, timeout: float = 300.
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("DMABUF_INTEROP_TOKEN", secrets.token_hex(32))
     warmup = max(1, warmup)
-    spec = ["--sizes", ",".join(map(str, sizes)), "--count", str(warmup + reps)]
-    p, line = _spawn("--role", "producer", "--address", "tcp://127.0.0.1:0", *spec)
-    channel = _channel_rate(line.split()[1], sizes, warmup, reps, True)
-    p.communicate(timeout=timeout)
-    p, line = _spawn("--role", "bare", *spec)
+    spec = {"sizes": sizes, "count": warmup + reps, "timeout": timeout}
+    p, ready = _start("producer", {**spec, "address": "tcp://127.0.0.1:0"}, timeout)
     try:
-        bare = _bare_rate(json.loads(line), sizes, warmup, reps, timeout)
+        channel = _channel_rate(ready["address"], sizes, warmup, reps, True)
     finally:
-        p.communicate("", timeout=60)
+        _stop(p, timeout)
+    p, ready = _start("bare", spec, timeout)
+    try:
+        bare = _bare_rate(ready, sizes, warmup, reps, timeout)
+    finally:
+        _stop(p, 60, stop=True)
     with tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-") as d:
-        p, line = _spawn("--role", "producer", "--address", os.path.join(d, "s"), *spec)
-        local = _channel_rate(line.split()[1], sizes, warmup, reps, False)
-        p.communicate(timeout=timeout)
+        p, ready = _start("producer", {**spec, "address": os.path.join(d, "s")}, timeout)
+        try:
+            local = _channel_rate(ready["address"], sizes, warmup, reps, False)
+        finally:
+            _stop(p, timeout)
     return [{"bytes": s, "reps": reps, "channel_gbs": channel[s], "nixl_gbs": bare[s],
              "overhead_pct": 100.0 * (bare[s] - channel[s]) / bare[s], "local_gbs": local[s]} for s in sizes]
 
@@ -184,7 +206,9 @@ def bench(args: argparse.Namespace) -> int:
     import shlex
 
     from ...errors import NotSupportedError
-    from .report import size_label, write_json
+    from .._units import size_label
+    from .report import write_json
+    from .targets import OVERHEAD_TARGET_PCT, remote_met
 
     try:
         rows = run(args.sizes, args.warmup, args.reps, args.timeout)
@@ -197,7 +221,7 @@ def bench(args: argparse.Namespace) -> int:
     print(f"{'size':>9} {'channel GB/s':>13} {'NIXL GB/s':>10} {'overhead':>9} {'local GB/s':>11}  "
           f"target (overhead <= {OVERHEAD_TARGET_PCT:g}%)")
     for r in rows:
-        met = "met" if r["overhead_pct"] <= OVERHEAD_TARGET_PCT else "not met"
+        met = "met" if remote_met(r) else "not met"
         print(f"{size_label(r['bytes']):>9} {r['channel_gbs']:>13.2f} {r['nixl_gbs']:>10.2f} "
               f"{r['overhead_pct']:>8.1f}% {r['local_gbs']:>11.1f}  {met}")
     if args.json:
@@ -207,26 +231,5 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The peer processes of :func:`run` (``--role producer|bare``)."""
-    from .._units import parse_size
-
-    ap = argparse.ArgumentParser(prog="python -m dmabuf_interop.cli.bench.remote")
-    ap.add_argument("--role", choices=["producer", "bare"], required=True)
-    ap.add_argument("--address")
-    ap.add_argument("--sizes", required=True)
-    ap.add_argument("--count", type=int, required=True)
-    args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    if args.role == "producer":
-        _producer(args.address, sizes, args.count)
-    else:
-        _bare_producer(sizes)
-    return 0
-
-
 if __name__ == "__main__":
-    from ...procs import leave_interrupts_to_parent
-
-    leave_interrupts_to_parent()
-    sys.exit(main())
+    sys.exit(serve({"producer": _producer, "bare": _bare_producer}))
