@@ -421,6 +421,24 @@ def test_remote_bench_on_loopback(tmp_path) -> None:
         assert row["reps"] == 3 and row["channel_gbs"] > 0 and row["nixl_gbs"] > 0 and row["local_gbs"] > 0
 
 
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def test_remote_bench_refuses_a_workload_and_notes_what_it_ignores(tmp_path) -> None:
+    out = run_cli("bench", "--remote", "--workload", "ws-8b", "--reps", "1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert "--workload" in out.stderr and "--remote" in out.stderr and "error" in out.stderr
+    # options that have no meaning for --remote are named (they were ignored without a word)
+    plot = ["--plot", str(tmp_path / "p.png")] if HAVE_MATPLOTLIB else []
+    out = run_cli("bench", "--remote", *plot, "--devices", "0,1", "--paths", "copy", "--sizes", "4K", "--reps", "1",
+                  "--warmup", "0", extra_env=LOOPBACK)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ignored = "--devices, --plot, --paths" if plot else "--devices, --paths"
+    assert f"note: {ignored} do not apply to --remote; ignored" in out.stderr, out.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_options_that_do_not_apply_get_one_note_line():
     out = run_cli("bench", "--small", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr

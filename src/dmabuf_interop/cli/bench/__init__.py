@@ -130,7 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "repetitions of one size, so allow for --reps (default 300)")
     p.add_argument("--remote", action="store_true",
                    help="tcp:// channel through NIXL on loopback (host memory) against a bare NIXL READ loop and "
-                        "a local channel: GB/s per --sizes, --reps timed reads after --warmup (needs NIXL)")
+                        "a local channel: median GB/s and spread per --sizes, --reps timed reads after --warmup "
+                        "(needs NIXL; not with --workload)")
     from .weight_sync import add_arguments as add_workload_arguments
 
     add_workload_arguments(p)
@@ -143,8 +144,12 @@ def _note_ignored(args: argparse.Namespace) -> None:
                                    ("--mechanisms", args.mechanisms, list(MECHANISMS))) if v != d]
         where = "--workload"
     elif getattr(args, "remote", False):
+        from .weight_sync import PATHS
+
         given = [o for o, v in (("--mechanisms", args.mechanisms != list(MECHANISMS)),
-                                ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+                                ("--devices", tuple(args.devices) != (0, 0)), ("--plot", bool(args.plot)),
+                                ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
+                                ("--paths", tuple(getattr(args, "paths", PATHS)) != PATHS))
                  if v]
         where = "--remote"
     else:
@@ -158,6 +163,10 @@ def _note_ignored(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "remote", False) and getattr(args, "workload", None):
+        print("dmabuf-interop: error: --remote and --workload are two different benchmarks: give one "
+              "(see dmabuf-interop bench --help)", file=sys.stderr)
+        return 2
     _note_ignored(args)
     if getattr(args, "remote", False):
         from .remote import bench as remote_bench
