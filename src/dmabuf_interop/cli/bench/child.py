@@ -12,6 +12,7 @@ child's stdout goes to the parent's stderr, so nothing a library prints there
 Parent side: :func:`start`, :meth:`Child.result`, :func:`finish`. Child side:
 :func:`serve`, which reads the configuration, runs the role and reports
 ``{"status": "ok", "result": ...}``, ``{"status": "not installed", "reason": ...}``
+(an ImportError), ``{"status": "unsupported", "reason": ...}`` (a ``NotSupportedError``)
 or ``{"status": "error", "reason": ...}``; a role may :func:`report` more before
 that (``{"ready": true, ...}`` once it listens, progress). The latency pairs of
 :mod:`.runner` speak the richer protocol of :mod:`.protocol` over the same sockets.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ...errors import DmaBufError, PeerClosedError, WaitTimeoutError
+from ...errors import DmaBufError, NotSupportedError, PeerClosedError, WaitTimeoutError
 from ...fdpass import recv_message, send_message
 from ...procs import leave_interrupts_to_parent, wait_child
 
@@ -199,6 +200,8 @@ def serve(roles: dict[str, Callable[[dict[str, Any], socket.socket, list[socket.
             result = roles[role](config, ctl, socks[1:])
         except ImportError as exc:
             msg: dict[str, Any] = {"status": "not installed", "reason": str(exc)}
+        except NotSupportedError as exc:  # a capability this machine lacks: reported, not a failure
+            msg = {"status": "unsupported", "reason": f"{role}: {exc}"}
         except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
             msg = {"status": "error", "reason": f"{role}: {type(exc).__name__}: {exc}"}
         else:

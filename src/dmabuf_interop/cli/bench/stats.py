@@ -7,6 +7,7 @@ between closest ranks, NumPy's default. The JSON keeps each tool's own keys (:me
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -61,6 +62,12 @@ class Stats:
         if self.median == 0:
             return 0.0 if width == 0 else float("inf")
         return width / abs(self.median)
+
+    @property
+    def median_error(self) -> float:
+        """The standard error of the median, estimated from the p10-p90 width as for normally distributed
+        samples: ``1.2533 * sigma / sqrt(n)`` with ``sigma = (p90 - p10) / 2.5631`` (0 for one sample)."""
+        return 1.2533 * (self.p90 - self.p10) / 2.5631 / math.sqrt(self.n)
 
     def to_json(self, *keys: str, digits: int = 3) -> dict[str, float | int]:
         """``{key: value}`` for ``keys`` (field names; ``p50`` names the median), floats rounded to ``digits``."""

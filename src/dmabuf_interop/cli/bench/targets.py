@@ -6,15 +6,17 @@ The thresholds are the constants below; the tables print them from here, so a ta
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .._units import MiB, size_label
 from .catalog import GPU_HANDOFF_OURS
+from .stats import Stats
 
 __all__ = ["LATENCY_RATIO", "BANDWIDTH_RATIO", "POSIX_FD_OVERHEAD", "DMABUF_EXPORT_RATIO", "CHANNEL_RATIO",
            "CHANNEL_TAIL", "FIRST_HANDOFF_RATIO", "THROUGHPUT_PER_S", "HANDOFF_TARGET_MS", "COPY_TARGET_RATIO",
            "PEER_TARGET_RATIO", "OVERHEAD_TARGET_PCT", "ratio", "cell_median", "row_p50", "bench_targets",
-           "workload_targets", "remote_met"]
+           "workload_targets", "remote_verdict"]
 
 # --- dmabuf-interop bench (hand-off latency, bandwidth, overhead, channel) --------------------
 #: Our fastest GPU hand-off, at most this times torch-ipc's, at every size.
@@ -229,6 +231,20 @@ def workload_targets(workload: str, placements: list[dict[str, Any]], host: bool
     return out
 
 
-def remote_met(row: dict[str, Any]) -> bool:
-    """Whether one ``bench --remote`` row's channel overhead is within :data:`OVERHEAD_TARGET_PCT`."""
-    return row["overhead_pct"] <= OVERHEAD_TARGET_PCT
+def remote_verdict(channel: Stats, nixl: Stats) -> tuple[float, float, bool | None]:
+    """``bench --remote``, one size: ``(overhead, margin, met)`` from the reads' GB/s.
+
+    ``overhead``: how much less the tcp:// channel's median is than the bare READ loop's, percent of the
+    loop's. ``margin``: twice the standard error of that overhead (percentage points), from each median's
+    :attr:`~.stats.Stats.median_error`. ``met``: ``True`` when ``overhead + margin`` is within
+    :data:`OVERHEAD_TARGET_PCT`, ``False`` when ``overhead - margin`` is beyond it, else ``None``
+    (unclear: the reads spread too much for so few of them to decide).
+    """
+    r = channel.median / nixl.median
+    overhead = 100.0 * (1.0 - r)
+    margin = 200.0 * r * math.hypot(channel.median_error / channel.median, nixl.median_error / nixl.median)
+    if overhead + margin <= OVERHEAD_TARGET_PCT:
+        return overhead, margin, True
+    if overhead - margin > OVERHEAD_TARGET_PCT:
+        return overhead, margin, False
+    return overhead, margin, None
