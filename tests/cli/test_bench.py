@@ -521,6 +521,9 @@ def test_options_that_do_not_apply_get_one_note_line():
     out = run_cli("bench", "--small", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr
     assert "note: --small does not apply without --workload; ignored" in out.stderr
+    out = run_cli("bench", "--paths", "copy", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    assert "note: --paths does not apply without --workload; ignored" in out.stderr
     out = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--sizes", "4K", "--reps", "1",
                   "--warmup", "0")
     assert out.returncode == 0, out.stderr

@@ -139,13 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _note_ignored(args: argparse.Namespace) -> None:
     """One ``note:`` line on stderr for options that do not apply to the run asked for."""
+    from .weight_sync import PATHS
+
     if getattr(args, "workload", None):
         given = [o for o, v, d in (("--sizes", args.sizes, list(DEFAULT_SIZES)),
                                    ("--mechanisms", args.mechanisms, list(MECHANISMS))) if v != d]
         where = "--workload"
     elif getattr(args, "remote", False):
-        from .weight_sync import PATHS
-
         given = [o for o, v in (("--mechanisms", args.mechanisms != list(MECHANISMS)),
                                 ("--devices", tuple(args.devices) != (0, 0)), ("--plot", bool(args.plot)),
                                 ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
@@ -153,7 +153,8 @@ def _note_ignored(args: argparse.Namespace) -> None:
                  if v]
         where = "--remote"
     else:
-        given = [o for o, v in (("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+        given = [o for o, v in (("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
+                                ("--paths", tuple(getattr(args, "paths", PATHS)) != PATHS))
                  if v]
         where = "without --workload"
     if given:
