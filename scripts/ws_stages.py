@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ def stages(workload: str, device: int, consumer: int, steps: int) -> None:
     import torch
 
     from dmabuf_interop.channel import SharedPool, as_tensors, connect, listen, release_all
+    from dmabuf_interop.cli.bench.stats import percentile
     from dmabuf_interop.cli.bench.weight_sync import model_shapes
 
     model = model_shapes(workload)
@@ -83,7 +83,7 @@ def stages(workload: str, device: int, consumer: int, steps: int) -> None:
         n = len(names)
         print(f"{workload}: {n} tensors, producer GPU {device}, consumer GPU {consumer}, median of {steps} steps")
         for i, what in enumerate(("send_many", "recv_many", "as_tensors", "release_all + lease wait")):
-            ms = statistics.median(x[i] for x in times) * 1e3
+            ms = percentile((x[i] for x in times), 50) * 1e3
             print(f"  {what:26s} {ms:8.2f} ms  {ms * 1e3 / n:6.2f} us per tensor")
         cons.close()
         prod.close()
@@ -93,6 +93,7 @@ def stages(workload: str, device: int, consumer: int, steps: int) -> None:
 def copy_loop(workload: str, device: int) -> None:
     import torch
 
+    from dmabuf_interop.cli.bench.stats import percentile
     from dmabuf_interop.cli.bench.weight_sync import model_shapes
     from dmabuf_interop.cli.bench.weight_sync_backends import _Torch
 
@@ -113,7 +114,7 @@ def copy_loop(workload: str, device: int) -> None:
             stream.synchronize()
             engine.stream.synchronize()
             out.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(out[1:])
+        return percentile(out[1:], 50)
 
     def each() -> None:
         with torch.cuda.stream(stream):

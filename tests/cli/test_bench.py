@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -18,12 +19,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dmabuf_interop.cli._units import MAX_SIZE, parse_size
+from dmabuf_interop.cli._units import MAX_SIZE, parse_size, size_label
 from dmabuf_interop.cli.bench import parse_sizes
 from dmabuf_interop.cli.bench.catalog import MECHANISMS
 from dmabuf_interop.cli.bench.protocol import SPEC, check, make
-from dmabuf_interop.cli.bench.report import size_label
-from dmabuf_interop.cli.bench.runner import PHASES, percentile
+from dmabuf_interop.cli.bench.runner import PHASES
+from dmabuf_interop.cli.bench.stats import percentile
 from dmabuf_interop.errors import ProtocolError
 from dmabuf_interop.fdpass import recv_message, send_message
 from tests.helpers import env_with_src, run_cli
@@ -421,10 +422,108 @@ def test_remote_bench_on_loopback(tmp_path) -> None:
         assert row["reps"] == 3 and row["channel_gbs"] > 0 and row["nixl_gbs"] > 0 and row["local_gbs"] > 0
 
 
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+@pytest.mark.nixl
+def test_remote_bench_shows_progress_on_stderr() -> None:
+    out = run_cli("bench", "--remote", "--sizes", "64K,128K", "--reps", "3", "--warmup", "1", extra_env=LOOPBACK)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("bench: ")]
+    assert lines and "sizes 64 KiB,128 KiB, 3 reps after 1 warm-up(s)" in lines[0], out.stderr
+    for what in ("tcp:// channel", "bare NIXL READ", "local channel"):
+        assert any(ln.startswith(f"bench: [") and what in ln and "starting" in ln for ln in lines), (what, lines)
+        for label in ("64 KiB", "128 KiB"):  # one line per size, as the default bench gives per cell
+            assert any(f"{what} {label}: median" in ln and "GB/s" in ln and "spread" in ln for ln in lines), lines
+
+
+@pytest.mark.nixl
+def test_remote_bench_reports_the_spread_and_what_the_local_column_measures(tmp_path) -> None:
+    path = tmp_path / "remote.json"
+    out = run_cli("bench", "--remote", "--sizes", "64K", "--reps", "5", "--warmup", "1", "--json", str(path),
+                  extra_env=LOOPBACK)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no bytes move" in out.stdout and "spread" in out.stdout, out.stdout
+    (row,) = _load(path)["rows"]
+    assert set(row["spread_pct"]) == {"channel", "nixl", "local"}, row
+    assert all(v >= 0 for v in row["spread_pct"].values()) and row["overhead_uncertainty_pct"] >= 0
+    assert row["met"] in (True, False, None)
+    assert f"{row['spread_pct']['channel']:.0f}%" in out.stdout  # the table shows what the JSON holds
+
+
+def test_remote_verdict_is_unclear_while_the_spread_covers_the_target() -> None:
+    from dmabuf_interop.cli.bench.stats import Stats
+    from dmabuf_interop.cli.bench.targets import OVERHEAD_TARGET_PCT, remote_verdict
+
+    def reads(median: float, width: float, n: int = 20) -> Stats:
+        return Stats.of([median - width / 2 + width * i / (n - 1) for i in range(n)])
+
+    nixl = reads(1.0, 0.02)
+    clear_ok, clear_bad = reads(0.99, 0.02), reads(0.70, 0.02)
+    assert remote_verdict(clear_ok, nixl)[2] is True
+    assert remote_verdict(clear_bad, nixl)[2] is False
+    near = reads(1 - OVERHEAD_TARGET_PCT / 100, 0.6, n=3)  # at the target, reads spread over 60%
+    overhead, uncertainty, met = remote_verdict(near, reads(1.0, 0.6, n=3))
+    assert abs(overhead - OVERHEAD_TARGET_PCT) < 1 and uncertainty > 5 and met is None
+
+
+def test_remote_bench_refuses_a_workload_and_notes_what_it_ignores(tmp_path) -> None:
+    out = run_cli("bench", "--remote", "--workload", "ws-8b", "--reps", "1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert "--workload" in out.stderr and "--remote" in out.stderr and "error" in out.stderr
+    # options that have no meaning for --remote are named (they were ignored without a word)
+    plot = ["--plot", str(tmp_path / "p.png")] if HAVE_MATPLOTLIB else []
+    out = run_cli("bench", "--remote", *plot, "--devices", "0,1", "--paths", "copy", "--sizes", "4K", "--reps", "1",
+                  "--warmup", "0", extra_env=LOOPBACK)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ignored = "--devices, --plot, --paths" if plot else "--devices, --paths"
+    assert f"note: {ignored} do not apply to --remote; ignored" in out.stderr, out.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.nixl
+def test_interrupted_remote_bench_exits_quietly() -> None:
+    """Ctrl-C during the reads: the exit line is the last thing written, and no process is left."""
+    import signal
+
+    env = {**env_with_src(), **LOOPBACK}
+    proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop", "bench", "--remote", "--sizes", "1M",
+                             "--reps", "100000", "--timeout", "30"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = b""
+    try:
+        deadline = time.monotonic() + 20
+        while b"tcp:// channel: starting" not in seen and time.monotonic() < deadline:  # the reads begin
+            if select.select([proc.stderr], [], [], 1)[0]:
+                chunk = os.read(proc.stderr.fileno(), 65536)
+                if not chunk:
+                    break
+                seen += chunk
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = seen.decode() + err
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert err.strip().splitlines()[-1] == "dmabuf-interop: interrupted", err[-3000:]
+    lines = err.strip().splitlines()  # progress, then the exit line: no traceback, no UCX warning
+    assert all(ln.startswith("bench: ") for ln in lines[:-1]), err[-3000:]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its process group is left
+
+
 def test_options_that_do_not_apply_get_one_note_line():
     out = run_cli("bench", "--small", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr
     assert "note: --small does not apply without --workload; ignored" in out.stderr
+    out = run_cli("bench", "--paths", "copy", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0")
+    assert out.returncode == 0, out.stderr
+    assert "note: --paths does not apply without --workload; ignored" in out.stderr
     out = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--sizes", "4K", "--reps", "1",
                   "--warmup", "0")
     assert out.returncode == 0, out.stderr

@@ -378,6 +378,10 @@ def test_version(flag):
 
 @pytest.mark.parametrize("args,note", [
     (("--size", "4K", "info"), "dmabuf-interop: note: --size does not apply to info; ignored"),
+    (("info", "--size", "4K"), "dmabuf-interop: note: --size does not apply to info; ignored"),
+    (("info", "--device", "1", "--mechanism", "memfd", "--memory", "device"),
+     "dmabuf-interop: note: --mechanism, --memory, --device do not apply to info; ignored"),
+    (("--size", "8", "info", "--size", "4K"), "dmabuf-interop: note: --size does not apply to info; ignored"),
     (("--device", "1", "--mechanism", "memfd"), "dmabuf-interop: note: --device does not apply to --mechanism memfd; ignored"),
     (("--mechanism", "memfd", "--memory", "device", "--device", "7"),
      "dmabuf-interop: note: --memory, --device do not apply to --mechanism memfd; ignored"),

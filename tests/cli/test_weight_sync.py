@@ -148,20 +148,25 @@ def test_gpu_example_runs_in_two_processes(tmp_path):
 
 
 def test_a_child_killed_by_a_signal_is_reported_as_such_not_as_echild() -> None:
+    import socket
     import subprocess
     import sys
 
-    from dmabuf_interop.cli.bench.weight_sync import _finish, _line
+    from dmabuf_interop.cli.bench.child import Child, finish
 
-    died = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
-                            stdout=subprocess.PIPE, text=True)
-    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE,
-                               text=True)
-    results = [_line(died, 30), {"status": "ok"}]
-    _finish([died, waiting], 30, results)  # reaps both, kills the one left waiting
+    def child(code: str) -> Child:
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()])
+        theirs.close()
+        return Child("peer", proc, ours)
+
+    died = child("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    waiting = child("import time; time.sleep(60)")
+    results = [died.result(30), {"status": "ok"}]
+    finish([died, waiting], 30, results)  # reaps both, kills the one left waiting
     assert results[0]["status"] == "error"
     assert "killed by SIGKILL (out of memory?)" in results[0]["reason"], results[0]
-    assert died.returncode == -9 and waiting.returncode == -9
+    assert died.proc.returncode == -9 and waiting.proc.returncode == -9
 
 
 @pytest.mark.parametrize("workload", ["ws-8b", "ws-moe"])

@@ -1,10 +1,12 @@
-"""The one parser of byte sizes on the command line (``--size``, ``bench --sizes``).
+"""Units on the command line: the one parser of byte sizes (``--size``, ``bench --sizes``), the one
+label of a size, and the one parser of seconds (``--timeout``).
 
 Accepted forms, and only these: a decimal number (``4096``), a ``0x`` hex
 number (``0x1000``), or a decimal number with a binary suffix, ``K``/``M``/``G``/``T``
 optionally followed by ``iB`` or ``B``, case-insensitive (``4K``, ``4KiB``,
 ``1M``, ``2G``: powers of 1024). Refused: signs, ``_`` separators, ``0o``/``0b``
 prefixes, fractions, exponents, whitespace inside, anything above :data:`MAX_SIZE`.
+:func:`size_label` writes a size back the way tables and progress lines show it (``4 KiB``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["MAX_SIZE", "SIZE_FORMS", "parse_size", "word_size_argument"]
+__all__ = ["KiB", "MiB", "GiB", "MAX_SIZE", "SIZE_FORMS", "parse_size", "size_label", "word_size_argument",
+           "seconds_argument"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: Largest size accepted, 4 TiB: beyond any GPU or host memory, below every C integer limit.
 MAX_SIZE = 1 << 42
@@ -20,7 +25,7 @@ MAX_SIZE = 1 << 42
 #: The forms, as ``--help`` states them.
 SIZE_FORMS = "bytes as 4096, 0x1000, or with a binary suffix: 4K, 4KiB, 1M, 2G (at most 4T)"
 
-_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SUFFIX = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
 _FORM = re.compile(r"(?:0x([0-9a-f]+)|([0-9]+)([kmgt]?)(?:i?b)?)", re.IGNORECASE | re.ASCII)
 
 
@@ -41,6 +46,14 @@ def parse_size(text: str) -> int:
     return value
 
 
+def size_label(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: ``4 KiB``, ``1 GiB``, ``12 B``."""
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit} {name}"
+    return f"{n} B"
+
+
 def word_size_argument(text: str) -> int:
     """An argparse ``type``: :func:`parse_size`, then a positive multiple of 4 bytes (the
     pattern and read kernels work in 32-bit words).
@@ -54,4 +67,19 @@ def word_size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0 or value % 4:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be a positive multiple of 4 bytes")
+    return value
+
+
+def seconds_argument(text: str) -> float:
+    """An argparse ``type``: a positive, finite number of seconds (``--timeout``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or zero, negative, NaN or infinite.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: expected seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: must be a positive number of seconds")
     return value

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from .. import __version__
 from ..kinds import MECHANISM_NAMES
-from ._units import SIZE_FORMS, word_size_argument
+from ._units import SIZE_FORMS, seconds_argument, word_size_argument
 from .demos import AUTO
 
 __all__ = ["main", "build_parser"]
@@ -45,16 +45,6 @@ class _Parser(argparse.ArgumentParser):
 
 #: Longest wait handed to subprocess and poll (about 11.6 days; poll takes an int of ms); longer ``--timeout`` values mean this.
 MAX_WAIT = 1e6
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: expected seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: must be a positive number of seconds")
-    return value
 
 
 def _device(text: str) -> int:
@@ -81,25 +71,31 @@ class _Store(argparse.Action):
         setattr(namespace, "given_" + self.dest, True)
 
 
-def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """The run options. ``defaults=False`` for the ``run`` subcommand: argparse lets a
-    subparser's defaults overwrite values parsed before it, so ``--size 8 run``
-    would silently run with 16384 bytes; the top-level parser supplies the defaults."""
+def _add_run_options(p: argparse.ArgumentParser, defaults: bool = True, ignored: bool = False) -> None:
+    """The run options. ``defaults=False`` for a subcommand: argparse lets a subparser's
+    defaults overwrite values parsed before it, so ``--size 8 run`` would silently run
+    with 16384 bytes; the top-level parser supplies the defaults. ``ignored=True`` for
+    ``info``: it takes them only to name them in a note (no help; not ``--timeout``,
+    which it has of its own)."""
 
     def d(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
+    def h(text: str) -> str:
+        return argparse.SUPPRESS if ignored else text
+
     p.add_argument("--mechanism", choices=(AUTO, *MECHANISM_NAMES), default=d(AUTO), action=_Store,
-                   help="how memory is shared (default: auto: the CUDA sample's dma-buf path, and where this "
-                        "machine cannot run it, the first of dmabuf (device memory), posix-fd, memfd that works)")
+                   help=h("how memory is shared (default: auto: the CUDA sample's dma-buf path, and where this "
+                          "machine cannot run it, the first of dmabuf (device memory), posix-fd, memfd that works)"))
     p.add_argument("--memory", choices=("host", "device"), default=d("host"), action=_Store,
-                   help="dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc")
+                   help=h("dmabuf producer allocator: host = cuMemAllocHost (the sample's), device = cuMemAlloc"))
     p.add_argument("--device", type=_device, default=d(0), action=_Store,
-                   help="CUDA ordinal for demos 1 and 2 (default 0)")
+                   help=h("CUDA ordinal for demos 1 and 2 (default 0)"))
     p.add_argument("--size", type=word_size_argument, default=d(16384), action=_Store,
-                   help=f"bytes to share, a multiple of 4 (default 16384): {SIZE_FORMS}")
-    p.add_argument("--timeout", type=_timeout, default=d(60.0), action=_Store,
-                   help="seconds any wait on a peer process may take (default 60)")
+                   help=h(f"bytes to share, a multiple of 4 (default 16384): {SIZE_FORMS}"))
+    if not ignored:
+        p.add_argument("--timeout", type=seconds_argument, default=d(60.0), action=_Store,
+                       help="seconds any wait on a peer process may take (default 60)")
 
 
 #: Run options that do not apply, by what runs.
@@ -130,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run, defaults=False)
     info = sub.add_parser("info", help="tell whether dma-buf sharing works on this machine, and why not")
     info.add_argument("--json", action="store_true", help="print one JSON object (keys documented in docs/info.md)")
-    info.add_argument("--timeout", type=_timeout, default=argparse.SUPPRESS,
+    info.add_argument("--timeout", type=seconds_argument, default=argparse.SUPPRESS,
                       help="seconds the probe child may take (default 60)")
+    _add_run_options(info, defaults=False, ignored=True)  # accepted, named in a note, ignored
     bench = sub.add_parser("bench", help="benchmark sharing mechanisms against torch, cuda.core and CuPy IPC")
     from .bench import add_arguments
 

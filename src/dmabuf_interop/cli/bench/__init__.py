@@ -6,8 +6,10 @@ context and load their kernels (:mod:`.reader`) before anything is timed,
 then hand a buffer over ``--warmup`` + ``--reps`` times (:mod:`.protocol`).
 With a GPU, a last pair measures read bandwidth through a POSIX-fd import
 (:mod:`.bandwidth`) and the library's Python overhead (:mod:`.overhead`).
-:mod:`.report` prints the table and the targets, and writes ``--json`` and
-``--plot``; output paths are checked before anything is measured.
+:mod:`.targets` holds every pass/fail target and judges a run, :mod:`.report`
+prints the table and the verdicts, and writes ``--json`` and ``--plot``; output
+paths are checked before anything is measured. Children are started and heard
+through :mod:`.child`; every statistic is a :class:`.stats.Stats`.
 ``--workload`` runs the weight-sync workload (:mod:`.weight_sync`) instead, and
 ``--remote`` a tcp:// channel through NIXL against a bare NIXL READ loop (:mod:`.remote`).
 
@@ -27,13 +29,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from .._units import word_size_argument
+from .._units import GiB, KiB, MiB, seconds_argument, size_label, word_size_argument
 from .catalog import CUDA_FREE, MECHANISMS
-from .report import JSON_SCHEMA, size_label
+from .report import JSON_SCHEMA
 
 __all__ = ["add_arguments", "main", "parse_sizes", "DEFAULT_SIZES"]
 
-DEFAULT_SIZES = (4 << 10, 1 << 20, 64 << 20, 1 << 30)
+DEFAULT_SIZES = (4 * KiB, MiB, 64 * MiB, GiB)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -82,16 +84,6 @@ def _devices(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: expected seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: must be a positive number of seconds")
-    return value
-
-
 def output_path(text: str) -> str:
     """An output file that can be written: its folder exists and is writable, the path is no folder.
 
@@ -133,12 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=_plot_path, metavar="PATH.png",
                    help="log-log plot of median hand-off latency vs size "
                         "(needs matplotlib: pip install 'dmabuf-interop[bench]')")
-    p.add_argument("--timeout", type=_seconds, default=300.0,
+    p.add_argument("--timeout", type=seconds_argument, default=300.0,
                    help="seconds to wait for the next record from a benchmark process; a record comes after all "
                         "repetitions of one size, so allow for --reps (default 300)")
     p.add_argument("--remote", action="store_true",
                    help="tcp:// channel through NIXL on loopback (host memory) against a bare NIXL READ loop and "
-                        "a local channel: GB/s per --sizes, --reps timed reads after --warmup (needs NIXL)")
+                        "a local channel: median GB/s and spread per --sizes, --reps timed reads after --warmup "
+                        "(needs NIXL; not with --workload)")
     from .weight_sync import add_arguments as add_workload_arguments
 
     add_workload_arguments(p)
@@ -146,17 +139,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _note_ignored(args: argparse.Namespace) -> None:
     """One ``note:`` line on stderr for options that do not apply to the run asked for."""
+    from .weight_sync import PATHS
+
     if getattr(args, "workload", None):
         given = [o for o, v, d in (("--sizes", args.sizes, list(DEFAULT_SIZES)),
                                    ("--mechanisms", args.mechanisms, list(MECHANISMS))) if v != d]
         where = "--workload"
     elif getattr(args, "remote", False):
         given = [o for o, v in (("--mechanisms", args.mechanisms != list(MECHANISMS)),
-                                ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+                                ("--devices", tuple(args.devices) != (0, 0)), ("--plot", bool(args.plot)),
+                                ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
+                                ("--paths", tuple(getattr(args, "paths", PATHS)) != PATHS))
                  if v]
         where = "--remote"
     else:
-        given = [o for o, v in (("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)))
+        given = [o for o, v in (("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
+                                ("--paths", tuple(getattr(args, "paths", PATHS)) != PATHS))
                  if v]
         where = "without --workload"
     if given:
@@ -166,6 +164,10 @@ def _note_ignored(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` options; returns the exit status."""
+    if getattr(args, "remote", False) and getattr(args, "workload", None):
+        print("dmabuf-interop: error: --remote and --workload are two different benchmarks: give one "
+              "(see dmabuf-interop bench --help)", file=sys.stderr)
+        return 2
     _note_ignored(args)
     if getattr(args, "remote", False):
         from .remote import bench as remote_bench
@@ -179,6 +181,7 @@ def main(args: argparse.Namespace) -> int:
     from .environment import environment, installed
     from .progress import Progress
     from .runner import run_pair
+    from .targets import bench_targets
 
     sizes: list[int] = args.sizes
     names: list[str] = args.mechanisms
@@ -255,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
             results["python_overhead"] = None
     finally:
         progress.close()
-    results["targets"] = report.targets(results)
+    results["targets"] = bench_targets(results)
     report.print_table(results)
     if args.plot:
         why = report.plot(results, args.plot)

@@ -10,7 +10,6 @@ overhead (:mod:`.overhead`) on the producer's GPU.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from ...fdpass import recv_message, send_message
 from . import overhead
 from .protocol import check, make, take_fd
 from .reader import Reader
+from .stats import percentile
 
 __all__ = ["run"]
 
@@ -145,6 +145,6 @@ def _memcpy_peer(dst_dev: int, src_dev: int, src: int, size: int, reps: int,
     finally:
         driver.set_current(dst_dev)
         driver.mem_free(dst)
-    med = statistics.median(seconds)
+    med = percentile(seconds, 50)
     return {"gbps": size / med / 1e9, "median_us": med * 1e6, "bytes": size,
             "source": source or f"the same allocation, through its GPU-{src_dev} import"}

@@ -14,7 +14,6 @@ are the baseline the library is measured against.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -22,6 +21,7 @@ from typing import Any, Callable
 from ... import _driver as driver
 from ..._checks import page_size
 from ...errors import CudaError, NotSupportedError
+from .stats import Stats, percentile
 
 __all__ = ["CallTimer", "measure", "compare", "CONTEXT_CALLS"]
 
@@ -75,11 +75,11 @@ def compare(lib: Callable[[], None], raw: Callable[[], None], n: int) -> dict[st
         t = now()
         raw()
         t_raw.append(now() - t)
-    ml, mr = statistics.median(t_lib) / 1e3, statistics.median(t_raw) / 1e3
-    pairs = sorted(a / b - 1.0 for a, b in zip(t_lib, t_raw))
-    q = statistics.quantiles(pairs, n=10) if len(pairs) >= 10 else [pairs[0]] * 8 + [pairs[-1]]
+    ml, mr = percentile(t_lib, 50) / 1e3, percentile(t_raw, 50) / 1e3
+    pairs = Stats.of(a / b - 1.0 for a, b in zip(t_lib, t_raw))
+    assert pairs is not None  # n >= 1
     return {"library_median_us": ml, "raw_median_us": mr, "overhead": ml / mr - 1.0,
-            "pairwise_overhead": {"p10": q[0], "median": statistics.median(pairs), "p90": q[-1]}}
+            "pairwise_overhead": {"p10": pairs.p10, "median": pairs.median, "p90": pairs.p90}}
 
 
 def _library_split(fn: Callable[[], None], n: int) -> tuple[dict[str, float], dict[str, int]]:
@@ -100,7 +100,7 @@ def _library_split(fn: Callable[[], None], n: int) -> tuple[dict[str, float], di
             for key, value in (("total", total), ("driver_calls", calls), ("context_calls", ctx),
                                ("python", total - calls - ctx)):
                 rows[key].append(value / 1e3)
-    return {k: round(statistics.median(v), 3) for k, v in rows.items()}, counts
+    return {k: round(percentile(v, 50), 3) for k, v in rows.items()}, counts
 
 
 def _raw_split(cycle: Callable[[Callable[[int], None]], None], n: int) -> dict[str, float]:
@@ -124,7 +124,7 @@ def _raw_split(cycle: Callable[[Callable[[int], None]], None], n: int) -> dict[s
         rows["total"].append(total / 1e3)
         rows["fd_close"].append(closed[0] / 1e3)
         rows["python"].append((total - closed[0]) / 1e3)
-    return {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    return {k: round(percentile(v, 50), 3) for k, v in rows.items()}
 
 
 def _entry(lib: Callable[[], None], raw: Callable[[Callable[[int], None]], None], n: int,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import statistics
 from typing import Any
 
 from ... import _driver as driver
 from ...kernels import compile_source
+from .stats import percentile
 
 __all__ = ["READ_SOURCE", "Reader"]
 
@@ -106,6 +106,6 @@ class Reader:
                 seconds[k].append((e1 - e0) * 1e-3)
         out = []
         for secs in seconds:
-            med = statistics.median(secs)
+            med = percentile(secs, 50)
             out.append({"gbps": n * 16 / med / 1e9, "median_us": med * 1e6, "bytes": n * 16})
         return out

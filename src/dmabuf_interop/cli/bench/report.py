@@ -1,4 +1,4 @@
-"""What a run reports: the table on stdout, the targets and their verdicts, the plot, the JSON."""
+"""What a run reports: the table on stdout, the verdicts of :mod:`.targets`, the plot, the JSON."""
 
 from __future__ import annotations
 
@@ -6,21 +6,17 @@ import json
 import sys
 from typing import Any
 
-from .catalog import GPU_HANDOFF_OURS, MECHANISMS
+from .._units import MiB, size_label
+from .catalog import MECHANISMS
+from .targets import (BANDWIDTH_RATIO, CHANNEL_RATIO, CHANNEL_TAIL, DMABUF_EXPORT_RATIO, FIRST_HANDOFF_RATIO,
+                      LATENCY_RATIO, POSIX_FD_OVERHEAD, THROUGHPUT_PER_S, cell_median, ratio)
 
-__all__ = ["JSON_SCHEMA", "size_label", "fmt", "ratio", "targets", "print_table", "plot", "write_json"]
+__all__ = ["JSON_SCHEMA", "fmt", "print_table", "pyplot", "plot", "write_json"]
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 #: Version of the ``--json`` layout (2: keys of ``breakdown_us`` and of the overhead splits are driver
 #: call names and observer-based parts).
 JSON_SCHEMA = 2
 
-
-def size_label(n: int) -> str:
-    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if n >= unit and n % unit == 0:
-            return f"{n // unit} {name}"
-    return f"{n} B"
 
 def fmt(v: float | None) -> str:
     if v is None:
@@ -31,137 +27,6 @@ def fmt(v: float | None) -> str:
         return f"{v:.1f}"
     return f"{v:.0f}"
 
-def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
-    if not a or not b or not a.get("gbps") or not b.get("gbps"):
-        return None
-    return a["gbps"] / b["gbps"]
-
-def _median(cell: dict[str, Any], phase: str = "total") -> float | None:
-    st = cell["phases_us"].get(phase)
-    return st["median"] if st else None
-
-
-def targets(results: dict[str, Any]) -> dict[str, Any]:
-    """Each target (latency, bandwidth, Python overhead) against this run: ``met`` is True, False or None."""
-    mechs = results["mechanisms"]
-    out: dict[str, Any] = {}
-    # 1. latency: our fastest GPU hand-off <= 0.5 x torch-ipc at every size
-    lat: dict[str, Any] = {"target": "our fastest hand-off (producer starts -> consumer has read) <= 0.5 x "
-                                     "torch-ipc's, at every size", "per_size": []}
-    torch = mechs.get("torch-ipc", {})
-    if torch.get("status") != "ok":
-        lat["met"] = None
-        lat["note"] = f"not evaluated: torch-ipc {torch.get('status', 'not run')}"
-    else:
-        tcells = {c["size"]: c for c in torch["cells"]}
-        met = True
-        for size in results["config"]["sizes"]:
-            t = _median(tcells[size]) if size in tcells else None
-            best = None
-            for name in GPU_HANDOFF_OURS:
-                m = mechs.get(name, {})
-                for c in m.get("cells", []):
-                    v = _median(c)
-                    if c["size"] == size and v is not None and (best is None or v < best[1]):
-                        best = (name, v)
-            if t is None or best is None:
-                lat["per_size"].append({"size": size, "label": size_label(size), "ratio": None})
-                met = False
-                continue
-            r = best[1] / t
-            met = met and r <= 0.5
-            lat["per_size"].append({"size": size, "label": size_label(size), "ours": best[0],
-                                    "ours_us": best[1], "torch_us": t, "ratio": round(r, 4)})
-        lat["met"] = met
-    out["latency"] = lat
-    # 2. bandwidth through the import >= 0.95 x native
-    bws = [b for b in results.get("bandwidth", {}).get("sizes", []) if ratio(b.get("import"), b.get("native"))]
-    bw: dict[str, Any] = {"target": "read kernel over the import >= 0.95 x the same kernel over native memory"}
-    if bws:
-        big = max(bws, key=lambda b: b["size"])
-        bw["at_largest_size"] = {"size": big["size"], "label": size_label(big["size"]),
-                                 "ratio": round(ratio(big["import"], big["native"]) or 0, 4)}
-        bw["min_ratio_from_1MiB"] = min((round(ratio(b["import"], b["native"]) or 0, 4) for b in bws
-                                         if b["size"] >= MiB), default=None)
-        bw["met"] = bw["at_largest_size"]["ratio"] >= 0.95
-    else:
-        bw["met"] = None
-        bw["note"] = "not measured"
-    out["bandwidth"] = bw
-    # 3. Python overhead: POSIX-fd cycle <= +10 %, dma-buf export+close <= 1.3 x the raw calls
-    ov = results.get("python_overhead") or {}
-    cyc, dma = ov.get("posix_fd_cycle"), ov.get("dmabuf_export") or {}
-    po: dict[str, Any] = {"target": "library against the same driver calls in a tight loop: POSIX-fd export + "
-                                    "import + release at most +10%, dma-buf export + close at most 1.3x"}
-    if cyc:
-        po["overhead"] = round(cyc["overhead"], 4)
-        po["met"] = cyc["overhead"] <= 0.10
-        if "overhead" in dma:  # an unsupported dma-buf export leaves the POSIX-fd part alone
-            po["dmabuf_ratio"] = round(1.0 + dma["overhead"], 4)
-            po["met"] = po["met"] and po["dmabuf_ratio"] <= 1.3
-    else:
-        po["met"] = None
-        po["note"] = "not measured"
-    out["python_overhead"] = po
-    # 4. the channel: hand-off median <= 0.15 x torch-ipc's at every size, p99 <= 3 x its own median
-    ch = mechs.get("channel", {})
-    cl: dict[str, Any] = {"target": "channel hand-off median <= 0.15 x torch-ipc's at every size, p99 <= 3 x "
-                                    "its own median", "per_size": []}
-    if ch.get("status") != "ok" or torch.get("status") != "ok":
-        cl["met"] = None
-        cl["note"] = f"not evaluated: channel {ch.get('status', 'not run')}, torch-ipc {torch.get('status', 'not run')}"
-    else:
-        tcells = {c["size"]: c for c in torch["cells"]}
-        met = True
-        for c in ch["cells"]:
-            t = _median(tcells[c["size"]]) if c["size"] in tcells else None
-            st = c["phases_us"].get("total")
-            if t is None or not st:
-                met = False
-                continue
-            r, spread = st["median"] / t, st["p99"] / st["median"]
-            met = met and r <= 0.15 and spread <= 3.0
-            cl["per_size"].append({"size": c["size"], "label": size_label(c["size"]), "ratio": round(r, 4),
-                                   "p99_over_median": round(spread, 3)})
-        cl["met"] = met and bool(cl["per_size"])
-    out["channel"] = cl
-    # 4b. the first hand-off through a fresh channel <= 2 x torch-ipc's first share
-    fh: dict[str, Any] = {"target": "first hand-off through a fresh channel (accept/connect, handshake, first chunk "
-                                    "imported, read) <= 2 x torch-ipc's first share (the run's first hand-off)",
-                          "channel_us": ch.get("first_handoff_us"), "torch_ipc_us": torch.get("first_handoff_us")}
-    if fh["channel_us"] is None or fh["torch_ipc_us"] is None:
-        fh["met"] = None
-        fh["note"] = "not evaluated: channel or torch-ipc not run, or failed"
-    else:
-        fh["ratio"] = round(fh["channel_us"] / fh["torch_ipc_us"], 3)
-        fh["met"] = fh["ratio"] <= 2.0
-    out["first_handoff"] = fh
-    # 5. channel throughput, 1 MiB zero-copy, pipelined: >= 20,000 hand-offs/s (device pool)
-    tp = results.get("throughput", {})
-    th: dict[str, Any] = {"target": "channel, 1 MiB zero-copy, one producer and one consumer, pipelined: "
-                                    ">= 20,000 hand-offs/s", "measured": {k: v.get("per_second") for k, v in tp.items()}}
-    dev = tp.get("channel", {})
-    th["met"] = None if dev.get("status") != "ok" else dev["per_second"] >= 20000
-    out["throughput"] = th
-    # 6. memory over the throughput run: pool overhead <= one chunk beyond what is live; no fd or device-memory growth
-    mem: dict[str, Any] = {"target": "pool capacity at most one chunk beyond the live bytes; no growth of fds or "
-                                     "device memory over the throughput run", "per_mechanism": {}}
-    verdicts = []
-    for name, res in tp.items():
-        prod = res.get("producer")
-        if res.get("status") != "ok" or not prod:
-            continue
-        overhead = prod["pool_capacity"] - prod["live_bytes"]
-        grew = max(prod["fds_grew"], res.get("consumer_fds_grew", 0), 0)
-        fell = prod.get("free_device_memory_fell") or 0
-        ok = overhead <= prod["chunk_bytes"] and grew == 0 and fell <= 0
-        mem["per_mechanism"][name] = {"hand_offs": res["count"], "pool_overhead_bytes": overhead,
-                                      "chunk_bytes": prod["chunk_bytes"], "fds_grew": grew,
-                                      "free_device_memory_fell": prod.get("free_device_memory_fell"), "met": ok}
-        verdicts.append(ok)
-    mem["met"] = all(verdicts) if verdicts else None
-    out["memory"] = mem
-    return out
 
 
 def _verdict(met: bool | None) -> str:
@@ -255,32 +120,34 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     lat = t["latency"]
     detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x ({x['ours']})" for x in lat.get("per_size", [])
                        if x.get("ratio") is not None) or lat.get("note", "")
-    w(f"  latency <= 0.5 x torch-ipc at every size: {_verdict(lat['met'])}  {detail}\n")
+    w(f"  latency <= {LATENCY_RATIO:g} x torch-ipc at every size: {_verdict(lat['met'])}  {detail}\n")
     b = t["bandwidth"]
     detail = (f"{b['at_largest_size']['ratio']:.3f} at {b['at_largest_size']['label']}"
               + (f" (lowest from 1 MiB up: {b['min_ratio_from_1MiB']:.3f})"
                  if b.get("min_ratio_from_1MiB") is not None else "")
               if "at_largest_size" in b else b.get("note", ""))
-    w(f"  bandwidth through the import >= 0.95 x native: {_verdict(b['met'])}  {detail}\n")
+    w(f"  bandwidth through the import >= {BANDWIDTH_RATIO:g} x native: {_verdict(b['met'])}  {detail}\n")
     po = t["python_overhead"]
     detail = f"POSIX-fd {po['overhead'] * 100:+.1f}%" if "overhead" in po else po.get("note", "")
     if "dmabuf_ratio" in po:
         detail += f", dma-buf export {po['dmabuf_ratio']:.2f}x"
-    w(f"  Python overhead (POSIX-fd <= +10%, dma-buf export <= 1.3x): {_verdict(po['met'])}  {detail}\n")
+    w(f"  Python overhead (POSIX-fd <= +{POSIX_FD_OVERHEAD * 100:g}%, dma-buf export <= {DMABUF_EXPORT_RATIO:g}x): "
+      f"{_verdict(po['met'])}  {detail}\n")
     cl = t["channel"]
     detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x (p99 {x['p99_over_median']:.1f}x median)"
                        for x in cl["per_size"]) or cl.get("note", "")
-    w(f"  channel <= 0.15 x torch-ipc, p99 <= 3 x median: {_verdict(cl['met'])}  {detail}\n")
+    w(f"  channel <= {CHANNEL_RATIO:g} x torch-ipc, p99 <= {CHANNEL_TAIL:g} x median: {_verdict(cl['met'])}  {detail}\n")
     fh = t.get("first_handoff")
     if fh:
         detail = (f"channel {fmt(fh['channel_us'])} us, torch-ipc {fmt(fh['torch_ipc_us'])} us ({fh['ratio']:.2f}x)"
                   if fh["met"] is not None else fh.get("note", ""))
-        w(f"  first hand-off through a fresh channel <= 2 x torch-ipc's first share: {_verdict(fh['met'])}  {detail}\n")
+        w(f"  first hand-off through a fresh channel <= {FIRST_HANDOFF_RATIO:g} x torch-ipc's first share: "
+          f"{_verdict(fh['met'])}  {detail}\n")
     th = t["throughput"]
     detail = ", ".join(f"{k} {v:,}/s" for k, v in th["measured"].items() if v) or "not measured"
     if th["met"] is None and th["measured"].get("channel-host"):
         detail += " (the target is for a device pool: channel)"
-    w(f"  channel throughput >= 20,000/s (1 MiB, pipelined): {_verdict(th['met'])}  {detail}\n")
+    w(f"  channel throughput >= {THROUGHPUT_PER_S:,}/s (1 MiB, pipelined): {_verdict(th['met'])}  {detail}\n")
     mem = t["memory"]
     detail = "; ".join(f"{k}: overhead {v['pool_overhead_bytes'] / MiB:.1f} MiB (chunk {v['chunk_bytes'] / MiB:.1f} MiB), "
                        f"fds +{v['fds_grew']}" + (f", device memory -{v['free_device_memory_fell']} B"
@@ -289,21 +156,29 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     w(f"  channel pool overhead <= 1 chunk, no growth: {_verdict(mem['met'])}  {detail}\n")
 
 
-def plot(results: dict[str, Any], path: str) -> str | None:
-    """Write the log-log plot; returns why not when matplotlib is missing."""
+def pyplot() -> tuple[Any, str | None]:
+    """``(matplotlib.pyplot, None)`` on the Agg backend (no display needed), or ``(None, why not)``."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'dmabuf-interop[bench]')"
+        return None, "matplotlib is not installed (pip install 'dmabuf-interop[bench]')"
+    return plt, None
+
+
+def plot(results: dict[str, Any], path: str) -> str | None:
+    """Write the log-log plot; returns why not when matplotlib is missing."""
+    plt, why = pyplot()
+    if plt is None:
+        return why
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, m in results["mechanisms"].items():
-        pts = [(c["size"], _median(c)) for c in m.get("cells", []) if _median(c) is not None]
+        pts = [(c["size"], cell_median(c)) for c in m.get("cells", []) if cell_median(c) is not None]
         label, style = name, "-"
         if not pts:
-            pts = [(c["size"], _median(c, "export_transport")) for c in m.get("cells", [])]
+            pts = [(c["size"], cell_median(c, "export_transport")) for c in m.get("cells", [])]
             label, style = f"{name} (export+transport only: import unsupported)", "--"
         if not pts:
             continue

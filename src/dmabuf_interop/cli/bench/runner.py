@@ -20,43 +20,30 @@ export_transport   t_recv - t0 (what a mechanism without an import can show)
 
 from __future__ import annotations
 
-import os
 import select
 import socket
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from ...errors import DmaBufError, PeerClosedError
-from ...fdpass import recv_message, send_message
-from ...procs import wait_child
+from .._units import size_label
+from .child import Child, reap, start
 from .progress import Progress
 from .protocol import check, make
-from .report import fmt, ratio, size_label
+from .report import fmt
+from .stats import Stats
+from .targets import ratio
 
-__all__ = ["PHASES", "percentile", "cell_stats", "run_pair"]
+__all__ = ["PHASES", "cell_stats", "run_pair"]
 
 PHASES = ("export", "transport", "import_map", "first_access", "total", "export_transport")
 _REPORTS = ("hello", "rec", "first", "cell", "bw", "overhead", "done", "error")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (NumPy's default). Raises ValueError on no values."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("no values")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _stat(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": round(percentile(values, 50), 3), "p90": round(percentile(values, 90), 3),
-            "p99": round(percentile(values, 99), 3)}
+    """A cell's JSON statistics of one phase (µs), or ``None`` for no samples."""
+    stats = Stats.of(values)
+    return None if stats is None else stats.to_json("median", "p90", "p99")
 
 
 def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]],
@@ -97,25 +84,6 @@ def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]]
     return cell
 
 
-def _child_env() -> dict[str, str]:
-    """This environment with the package's source root first on PYTHONPATH (a source-tree run)."""
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[3])
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if src not in parts:
-        env["PYTHONPATH"] = os.pathsep.join([src, *parts])
-    return env
-
-
-def _spawn(role: str, fds: list[int]) -> subprocess.Popen[bytes]:
-    try:
-        out: Any = sys.stderr.fileno()
-    except (AttributeError, ValueError, OSError):
-        out = None
-    cmd = [sys.executable, "-m", "dmabuf_interop.cli.bench.peers", role, *map(str, fds)]
-    return subprocess.Popen(cmd, pass_fds=fds, env=_child_env(), stdin=subprocess.DEVNULL, stdout=out)
-
-
 class _Role:
     """What the parent knows of one child."""
 
@@ -139,25 +107,21 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, An
     gives status ``error`` with the reason, never an exception.
     """
     timeout = float(cfg["timeout"])
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(4)]
-    (ctl_p, ctl_p_child), (ctl_c, ctl_c_child), (pc_p, pc_c), (aux_p, aux_c) = pairs
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        procs["producer"] = _spawn("producer", [ctl_p_child.fileno(), pc_p.fileno(), aux_p.fileno()])
-        procs["consumer"] = _spawn("consumer", [ctl_c_child.fileno(), pc_c.fileno(), aux_c.fileno()])
-    finally:
-        for s in (ctl_p_child, ctl_c_child, pc_p, pc_c, aux_p, aux_c):
-            s.close()  # the children hold them; EOF must reach a peer when the other dies
-    socks = {"producer": ctl_p, "consumer": ctl_c}
+    config = make("config", mechanism=name, **cfg)
+    (pc_p, pc_c), (aux_p, aux_c) = (socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2))
+    children: list[Child] = []
     roles = {"producer": _Role(), "consumer": _Role()}
     out: dict[str, Any] = {"cells": [], "bandwidth": [], "overhead": None, "versions": {}}
     timed_out = False
     try:
-        config = make("config", mechanism=name, **cfg)
-        for s in socks.values():
-            send_message(s, config)
+        try:
+            children.append(start("peers", "producer", config, fds=[pc_p, aux_p]))
+            children.append(start("peers", "consumer", config, fds=[pc_c, aux_c]))
+        finally:
+            for s in (pc_p, pc_c, aux_p, aux_c):
+                s.close()  # the children hold them; EOF must reach a peer when the other dies
         while not all(r.ended for r in roles.values()):
-            live = {socks[k]: k for k, r in roles.items() if not r.ended}
+            live = {c.ctl: c for c in children if not roles[c.role].ended}
             ready, _, _ = select.select(list(live), [], [], timeout)
             if not ready:
                 timed_out = True
@@ -167,10 +131,10 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, An
                         r.ended = True
                 break
             for sock in ready:
-                role = live[sock]
+                role = live[sock].role
                 st = roles[role]
                 try:
-                    msg = check(recv_message(sock, timeout, max_fds=0)[0], *_REPORTS)
+                    msg = check(live[sock].report(timeout), *_REPORTS)
                 except PeerClosedError:
                     st.ended = True
                     if not st.done and st.error is None and (st.hello is None or st.hello["status"] == "ok"):
@@ -182,12 +146,9 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, An
                     continue
                 _dispatch(name, role, msg, roles, out, progress)
     finally:
-        for s in socks.values():
-            s.close()
         interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)  # Ctrl-C: end the children now
-        for proc in procs.values():
-            ended = wait_child(proc.pid, 0 if timed_out or interrupted else min(timeout, 60.0))
-            proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
+        for child in children:
+            reap(child, 0 if timed_out or interrupted else min(timeout, 60.0))
     return _outcome(roles, out)
 
 

@@ -4,7 +4,7 @@ The producer lends ``size``-byte blocks of a :class:`~dmabuf_interop.channel.Sha
 (zero-copy, ``pool.empty``) from a ring of :data:`IN_FLIGHT`, waiting for a block's lease only
 when the ring comes round to it; the consumer receives and releases each. The rate is the
 consumer's: hand-offs after :data:`WARMUP` divided by the time they took. Both ends run as
-separate processes started here (``python -m dmabuf_interop.cli.bench.throughput``).
+separate processes started here (:mod:`.child`).
 
 Growth is reported beside the rate: each process's open fds, and for a device pool the free
 device memory (``cuMemGetInfo``), after :data:`WARMUP` hand-offs and after the last; and the
@@ -14,13 +14,14 @@ overhead.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
+import socket
 import sys
 import tempfile
 import time
 from typing import Any
+
+from .child import finish, report, serve, start
 
 #: Blocks lent at once.
 IN_FLIGHT = 32
@@ -32,29 +33,25 @@ def measure(host: bool, devices: tuple[int, int], count: int = 100_000, size: in
             timeout: float = 120.0) -> dict[str, Any]:
     """Run one producer and one consumer; ``{"status", "per_second", "count", "size", ...}``."""
     with tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-") as tmp:
-        address = os.path.join(tmp, "tput.sock")
-        args = [json.dumps({"address": address, "host": host, "devices": list(devices), "count": count,
-                            "size": size, "timeout": timeout})]
-        cmd = [sys.executable, "-m", "dmabuf_interop.cli.bench.throughput"]
-        producer = subprocess.Popen(cmd + ["producer"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
+        cfg = {"address": os.path.join(tmp, "tput.sock"), "host": host, "devices": list(devices), "count": count,
+               "size": size, "timeout": timeout}
+        producer = start("throughput", "producer", cfg)
+        children, results = [producer], []
         try:
-            line = producer.stdout.readline() if producer.stdout else ""  # "listening"
-            if line.strip() != "listening":
-                _, err = producer.communicate(timeout=timeout)
-                return {"status": "error", "reason": (err.strip().splitlines() or ["producer failed"])[-1]}
-            consumer = subprocess.run(cmd + ["consumer"] + args, capture_output=True, text=True, timeout=timeout)
-            produced, _ = producer.communicate(timeout=timeout)
-        finally:
-            if producer.poll() is None:
-                producer.kill()
-                producer.wait()
-        if consumer.returncode != 0:
-            return {"status": "error", "reason": (consumer.stderr.strip().splitlines() or ["consumer failed"])[-1]}
-        out = {"status": "ok", **json.loads(consumer.stdout.strip().splitlines()[-1])}
-        lines = produced.strip().splitlines()
-        if producer.returncode == 0 and lines:
-            out["producer"] = json.loads(lines[-1])
+            ready = producer.result(timeout)
+            if not ready.get("ready"):
+                results = [ready]
+                return {"status": "error", "reason": ready.get("reason") or "producer failed"}
+            children.append(start("throughput", "consumer", cfg))
+            results = [children[1].result(timeout), producer.result(timeout)]
+        finally:  # the children in the order of their results: the consumer's first
+            finish(list(reversed(children)), timeout, results or [{"status": "error"}])
+        consumed, produced = results
+        if consumed.get("status") != "ok":
+            return {"status": "error", "reason": consumed.get("reason") or "consumer failed"}
+        out = {"status": "ok", **consumed["result"]}
+        if produced.get("status") == "ok":
+            out["producer"] = produced["result"]
         return out
 
 
@@ -71,7 +68,7 @@ def _free_device_memory(device: int | None) -> int | None:
     return driver.mem_get_info()[0]
 
 
-def _producer(cfg: dict[str, Any]) -> None:
+def _producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     from ..._checks import round_up
     from ...channel import ALIGN, SharedPool, listen
 
@@ -79,7 +76,7 @@ def _producer(cfg: dict[str, Any]) -> None:
     room = (IN_FLIGHT + 2) * size
     with SharedPool(None if cfg["host"] else cfg["devices"][0], chunk_bytes=min(64 << 20, room),
                     max_bytes=room + (64 << 20)) as pool, listen(cfg["address"], pool=pool) as listener:
-        print("listening", flush=True)
+        report(ctl, {"ready": True})
         ch = listener.accept(timeout=cfg["timeout"])
         ring = [pool.empty(size, "uint8", timeout=cfg["timeout"]) for _ in range(IN_FLIGHT)]
         leases: list[Any] = [None] * IN_FLIGHT
@@ -96,15 +93,15 @@ def _producer(cfg: dict[str, Any]) -> None:
             if lease is not None:
                 lease.wait(cfg["timeout"])
         free = _free_device_memory(device)
-        report = {"fds_grew": _fds() - at["fds"],
+        result = {"fds_grew": _fds() - at["fds"],
                   "free_device_memory_fell": None if free is None else at["free"] - free,
                   "pool_capacity": pool.capacity, "live_bytes": IN_FLIGHT * round_up(size, ALIGN),
                   "chunk_bytes": pool.chunk_bytes}
         ch.close()
-    print(json.dumps(report), flush=True)
+    return result
 
 
-def _consumer(cfg: dict[str, Any]) -> None:
+def _consumer(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     from ...channel import connect
 
     n = cfg["count"]
@@ -118,13 +115,9 @@ def _consumer(cfg: dict[str, Any]) -> None:
             ch.recv(cfg["timeout"]).release()
         elapsed = time.perf_counter() - t0
         fds_grew = _fds() - fds0
-    print(json.dumps({"per_second": round((n - WARMUP) / elapsed), "count": n - WARMUP, "size": cfg["size"],
-                      "in_flight": IN_FLIGHT, "host": cfg["host"], "consumer_fds_grew": fds_grew}))
+    return {"per_second": round((n - WARMUP) / elapsed), "count": n - WARMUP, "size": cfg["size"],
+            "in_flight": IN_FLIGHT, "host": cfg["host"], "consumer_fds_grew": fds_grew}
 
 
 if __name__ == "__main__":
-    from ...procs import leave_interrupts_to_parent
-
-    leave_interrupts_to_parent()
-    role, raw = sys.argv[1], json.loads(sys.argv[2])
-    {"producer": _producer, "consumer": _consumer}[role](raw)
+    sys.exit(serve({"producer": _producer, "consumer": _consumer}))

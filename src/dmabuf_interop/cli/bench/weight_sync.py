@@ -1,6 +1,6 @@
 """``dmabuf-interop bench --workload ws-8b|ws-moe``: push a whole model from a trainer to an engine, every step.
 
-A trainer and an engine (fresh interpreters started with :mod:`subprocess`;
+A trainer and an engine (fresh interpreters started by :mod:`.child`;
 CUDA does not survive ``fork()``) are connected by a channel
 (:mod:`dmabuf_interop.channel`). The trainer's parameters live in a
 :class:`~dmabuf_interop.channel.SharedPool`. Each step the trainer adds 1 to
@@ -37,18 +37,19 @@ bf16), the CPU version; ``--small`` uses a few-MB model of the same layout.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import select
 import shlex
-import signal
-import subprocess
+import socket
 import sys
 import tempfile
 import time
 from typing import Any
 
+from .child import Child, finish, report, serve, start
+from .report import pyplot, write_json
+from .stats import Stats
+from .targets import row_p50, workload_targets
 from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch, settle_gc
 
 __all__ = ["WORKLOADS", "model_shapes", "payload_bytes", "add_arguments", "main"]
@@ -81,10 +82,6 @@ SMALL: dict[str, dict[str, int]] = {
     "ws-moe": dict(hidden=128, intermediate=0, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=512,
                    experts=8, expert_intermediate=64),
 }
-#: Per-step targets in ms for the hand-off (p50 and p99).
-HANDOFF_TARGET_MS = {"ws-8b": 5.0, "ws-moe": 100.0}
-COPY_TARGET_RATIO = 1.25
-PEER_TARGET_RATIO = 10.0
 
 
 def model_shapes(workload: str, small: bool = False) -> list[tuple[str, tuple[int, ...]]]:
@@ -153,12 +150,7 @@ def _fd_count() -> int:
 
 # --- child processes ---------------------------------------------------------------------
 
-def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
+def _trainer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     from ...channel import SharedPool, listen
     from ...channel.segments import segments_for
 
@@ -180,7 +172,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     send_ms: list[float] = []
     mem: dict[str, Any] = {}
     with pool, listen(cfg["address"], pool=pool) as listener:
-        _emit({"ready": True})
+        report(ctl, {"ready": True})
         ch = listener.accept(timeout=cfg["timeout"])
         leases: list[Any] = []
         cpu0 = 0.0
@@ -215,7 +207,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"send_ms": send_ms, "memory": mem, "in_place": in_place}
 
 
-def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
+def _engine(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     from ...channel import connect, release_all
 
     host = cfg["host"]
@@ -274,7 +266,7 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
 LIMIT_BYTES = 16 << 30
 
 
-def _limit(cfg: dict[str, Any]) -> dict[str, Any]:
+def _limit(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     """One copy of the payload: device to device on the trainer's GPU, and to the engine's GPU."""
     total = cfg["payload_bytes"]
     n = min(total, LIMIT_BYTES)
@@ -311,25 +303,18 @@ def _limit(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _child(argv: list[str]) -> int:
-    role, cfg_path = argv[0], argv[1]
-    with open(cfg_path) as fh:
-        cfg = json.load(fh)
-    try:
-        if role in ("peer-trainer", "peer-engine"):
-            from .weight_sync_peers import run_peer
+def _peer(role: str) -> Any:
+    def run(cfg: dict[str, Any], _ctl: socket.socket, socks: list[socket.socket]) -> dict[str, Any]:
+        from .weight_sync_peers import run_peer
 
-            res = run_peer(role, cfg, int(argv[2]))
-        else:
-            res = {"trainer": _trainer, "engine": _engine, "limit": _limit}[role](cfg)
-    except ImportError as exc:
-        _emit({"status": "not installed", "reason": str(exc)})
-        return 1
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
-        _emit({"status": "error", "reason": f"{role}: {type(exc).__name__}: {exc}"})
-        return 1
-    _emit({"status": "ok", "result": res})
-    return 0
+        return run_peer(role, cfg, socks[0].detach())
+
+    return run
+
+
+#: The child roles (:func:`.child.serve`).
+ROLES = {"trainer": _trainer, "engine": _engine, "limit": _limit, "peer-trainer": _peer("peer-trainer"),
+         "peer-engine": _peer("peer-engine")}
 
 
 # --- the parent: spawn, collect, report ------------------------------------------------------
@@ -359,54 +344,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", action="store_true", help="with --workload: host pools (memfd, NumPy), no GPU")
 
 
-def _spawn(role: str, cfg_path: str, extra: list[int] = (), env: dict[str, str] | None = None
-           ) -> subprocess.Popen[str]:
-    from .runner import _child_env
-
-    cmd = [sys.executable, "-m", "dmabuf_interop.cli.bench.weight_sync", role, cfg_path, *map(str, extra)]
-    return subprocess.Popen(cmd, pass_fds=tuple(extra), env={**_child_env(), **(env or {})},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-
-
-def _line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    """The child's next JSON line; a child that ends or stays silent past ``timeout`` is an error."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    text = proc.stdout.readline() if ready else ""
-    if not text:
-        return {"status": "error", "reason": "exited without reporting (see its stderr)" if ready
-                else f"no report within {timeout:g} s (--timeout)"}
-    return json.loads(text)
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float, results: list[dict[str, Any]]) -> None:
-    from ...procs import wait_child
-
-    killed: set[int] = set()
-    if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # Ctrl-C: end the children now
-        results = [{"status": "error", "reason": "interrupted"}] * len(procs)
-    # A child whose stdout reached EOF is ending by itself: left to end, so its own status is read.
-    ending = {proc.pid for proc, res in zip(procs, results) if "without reporting" in res.get("reason", "")}
-    for proc, res in zip(procs, results):
-        if res.get("status") != "ok":  # a peer that failed leaves the other waiting: end it
-            for other in procs:
-                if other.pid not in ending and other.poll() is None:
-                    other.kill()
-                    killed.add(other.pid)
-    for proc in procs:
-        if proc.returncode is None:  # not reaped yet (Popen.poll above reaps the ones that ended)
-            ended = wait_child(proc.pid, min(timeout, 60.0))
-            proc.returncode = ended.exitcode if ended.exitcode is not None else -(ended.signal or 9)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    for proc, res in zip(procs, results):
-        if (res.get("status") == "error" and "without reporting" in res.get("reason", "") and proc.returncode < 0
-                and proc.pid not in killed):
-            sig = -proc.returncode
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-            res["reason"] += f"; it was killed by {name}" + (" (out of memory?)" if sig == signal.SIGKILL else "")
-
-
 def _merge(results: list[dict[str, Any]]) -> tuple[str, str | None]:
     bad = [r for r in results if r.get("status") != "ok"]
     if not bad:
@@ -414,22 +351,18 @@ def _merge(results: list[dict[str, Any]]) -> tuple[str, str | None]:
     return bad[0]["status"], "; ".join(r["reason"] for r in bad)
 
 
-def _run_ours(cfg: dict[str, Any], tmp: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    path = os.path.join(tmp, f"cfg-{time.monotonic_ns()}.json")
-    with open(path, "w") as fh:
-        json.dump(cfg, fh)
-    trainer = _spawn("trainer", path, env=env)
-    procs, results = [trainer], []
+def _run_ours(cfg: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    trainer = start("weight_sync", "trainer", cfg, env=env)
+    children, results = [trainer], []
     try:
-        ready = _line(trainer, cfg["timeout"])
+        ready = trainer.result(cfg["timeout"])
         if not ready.get("ready"):
             results = [ready]
             return {"status": ready["status"], "reason": ready["reason"]}
-        engine = _spawn("engine", path)
-        procs.append(engine)
-        results = [_line(engine, cfg["timeout"] * 4), _line(trainer, cfg["timeout"] * 4)]
-    finally:  # the processes in the order of their results: the engine's first
-        _finish(list(reversed(procs)), cfg["timeout"], results or [{"status": "error"}])
+        children.append(start("weight_sync", "engine", cfg))
+        results = [children[1].result(cfg["timeout"] * 4), trainer.result(cfg["timeout"] * 4)]
+    finally:  # the children in the order of their results: the engine's first
+        finish(list(reversed(children)), cfg["timeout"], results or [{"status": "error"}])
     status, reason = _merge(results)
     if status != "ok":
         return {"status": status, "reason": reason}
@@ -437,60 +370,56 @@ def _run_ours(cfg: dict[str, Any], tmp: str, env: dict[str, str] | None = None) 
     return {"status": "ok", "reason": None, "engine": eng, "trainer": tr}
 
 
-def _run_peer(name: str, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
-    import socket
-
-    path = os.path.join(tmp, f"cfg-{name}.json")
-    with open(path, "w") as fh:
-        json.dump({**cfg, "peer": name, "variants": [name]}, fh)
+def _run_peer(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    cfg = {**cfg, "peer": name, "variants": [name]}
     a, b = socket.socketpair()
+    children: list[Child] = []
     try:
-        procs = [_spawn("peer-trainer", path, [a.fileno()]), _spawn("peer-engine", path, [b.fileno()])]
+        children.append(start("weight_sync", "peer-trainer", cfg, fds=[a]))
+        children.append(start("weight_sync", "peer-engine", cfg, fds=[b]))
+    except BaseException:
+        finish(children, cfg["timeout"], [{"status": "error"}] * len(children))
+        raise
     finally:
         a.close()
         b.close()
     results: list[dict[str, Any]] = []
     try:
-        results = [_line(p, cfg["timeout"] * 4) for p in reversed(procs)]
+        results = [c.result(cfg["timeout"] * 4) for c in reversed(children)]
     finally:
-        _finish(list(reversed(procs)), cfg["timeout"], results or [{"status": "error"}])
+        finish(list(reversed(children)), cfg["timeout"], results or [{"status": "error"}])
     status, reason = _merge(results)
     if status != "ok":
         return {"status": status, "reason": reason}
     return {"status": "ok", "reason": None, "engine": results[0]["result"], "trainer": results[1]["result"]}
 
 
-def _run_limit(cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
-    path = os.path.join(tmp, "cfg-limit.json")
-    with open(path, "w") as fh:
-        json.dump(cfg, fh)
-    proc = _spawn("limit", path)
+def _run_limit(cfg: dict[str, Any]) -> dict[str, Any]:
+    child = start("weight_sync", "limit", cfg)
     res: dict[str, Any] = {}
     try:
-        res = _line(proc, cfg["timeout"])
+        res = child.result(cfg["timeout"])
     finally:
-        _finish([proc], cfg["timeout"], [res])
+        finish([child], cfg["timeout"], [res])
     return res
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
-    from .runner import percentile
-
-    if not values:
-        return None
-    return {"p50": round(percentile(values, 50), 3), "p99": round(percentile(values, 99), 3), "n": len(values)}
+    """A row's JSON statistics of its steps (ms), or ``None`` for no steps."""
+    stats = Stats.of(values)
+    return None if stats is None else stats.to_json("p50", "p99", "n")
 
 
 def _row(name: str, kind: str, values: list[float] | None, **extra: Any) -> dict[str, Any]:
     return {"path": name, "kind": kind, "ms": _stats(values or []), **extra}
 
 
-def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str, Any]:
+def _placement(label: str, cfg: dict[str, Any], say: Any) -> dict[str, Any]:
     """Every path for one placement: ours (hand-off, copy, expandable segments), the peers, the limit."""
     rows: list[dict[str, Any]] = []
     say(f"placement {label}: trainer GPU/engine GPU {cfg['devices']}" if not cfg["host"] else "host pools")
     paths = cfg.get("paths", PATHS)
-    ours = _run_ours(cfg, tmp) if cfg["variants"] else {"status": "ok"}
+    ours = _run_ours(cfg) if cfg["variants"] else {"status": "ok"}
     for v in cfg["variants"]:
         if ours["status"] != "ok":
             rows.append(_row(v, "ours", None, status=ours["status"], reason=ours["reason"]))
@@ -500,7 +429,7 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
                          trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
                          send_ms=_stats(tr["send_ms"])))
     if not cfg["host"] and "expandable-segments" in paths:
-        exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True}, tmp,
+        exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True},
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
         ok = exp["status"] == "ok"
         rows.append(_row("expandable-segments", "ours", exp["engine"]["sync_ms"]["hand-off"] if ok else None,
@@ -513,7 +442,7 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
     for peer in ("torch-reductions", "ipc-buckets"):
         if not cfg["host"] and peer in paths:
             say(f"placement {label}: peer {peer}")
-            res = _run_peer(peer, cfg, tmp)
+            res = _run_peer(peer, cfg)
             rows.append(_row(peer, "peer", res["engine"]["sync_ms"] if res["status"] == "ok" else None,
                              status=res["status"], reason=res["reason"],
                              bad_checksums=res["engine"]["bad_checksums"] if res["status"] == "ok" else None,
@@ -523,7 +452,7 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
                              if res["status"] == "ok" else None))
     if "copy-limit" not in paths:
         return {"placement": label, "devices": cfg["devices"], "rows": rows}
-    lim = _run_limit(cfg, tmp)
+    lim = _run_limit(cfg)
     limit = lim.get("result") or {}
     key = "peer_ms" if cfg["devices"][0] != cfg["devices"][1] else "copy_ms"
     rows.append(_row("copy-limit", "limit", limit.get(key), status=lim.get("status"), reason=lim.get("reason"),
@@ -531,46 +460,6 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
                      ("numpy.copyto" if cfg["host"] else "device-to-device cudaMemcpy"),
                      measured_bytes=limit.get("bytes")))
     return {"placement": label, "devices": cfg["devices"], "rows": rows}
-
-
-def _p50(rows: list[dict[str, Any]], name: str) -> float | None:
-    r = next((r for r in rows if r["path"] == name), None)
-    return r["ms"]["p50"] if r and r["ms"] else None
-
-
-def targets(workload: str, placements: list[dict[str, Any]], host: bool) -> list[dict[str, Any]]:
-    """One verdict per target and placement (``met`` is ``None`` where a number is missing or on host pools)."""
-    out = []
-    for pl in placements:
-        rows, label = pl["rows"], pl["placement"]
-        h = next((r for r in rows if r["path"] == "hand-off"), None)
-        lim, cp = _p50(rows, "copy-limit"), _p50(rows, "copy")
-        peers = [p for p in (_p50(rows, "torch-reductions"), _p50(rows, "ipc-buckets")) if p is not None]
-        goal = HANDOFF_TARGET_MS[workload]
-        hm = h["ms"] if h and h["ms"] else None
-        checks = [
-            (f"hand-off p50 and p99 <= {goal:g} ms", hm and max(hm["p50"], hm["p99"]) <= goal,
-             hm and f"p50 {hm['p50']} ms, p99 {hm['p99']} ms"),
-            (f"copy <= {COPY_TARGET_RATIO}x the copy limit", cp is not None and lim and cp <= COPY_TARGET_RATIO * lim,
-             cp is not None and lim and f"{cp / lim:.2f}x"),
-            (f"hand-off >= {PEER_TARGET_RATIO:g}x faster than the best peer",
-             bool(hm and peers) and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
-             f"{min(peers) / max(hm['p50'], 1e-9):.1f}x" if hm and peers else None),
-        ]
-        growth = []
-        for r in rows:
-            for side in ("trainer", "engine"):
-                m = r.get(side) or {}
-                if m.get("fds_after") is not None:
-                    growth.append(m["fds_after"] - m["fds_before"])
-                if m.get("free_after") is not None:
-                    growth.append(m["free_before"] - m["free_after"])
-        checks.append(("zero growth (free device memory, fds) over the timed steps",
-                       bool(growth) and all(g <= 0 for g in growth), f"max {max(growth)}" if growth else None))
-        for text, met, value in checks:
-            out.append({"placement": label, "target": text, "met": None if host or value in (None, False)
-                        else bool(met), "value": value or None})
-    return out
 
 
 def _fmt(v: float | None) -> str:
@@ -586,7 +475,7 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
     print(f"{'placement':<10} {'path':<20} {'kind':<6} {'p50 ms':>9} {'p99 ms':>9} {'x limit':>8} "
           f"{'cpu ms/step T/E':>16}  notes", file=file)
     for pl in results["placements"]:
-        lim = _p50(pl["rows"], "copy-limit")
+        lim = row_p50(pl["rows"], "copy-limit")
         for r in pl["rows"]:
             ms = r["ms"] or {}
             ratio = f"{ms['p50'] / lim:.2f}" if ms and lim else "-"
@@ -610,13 +499,9 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
 
 def plot(results: dict[str, Any], path: str) -> str | None:
     """A bar chart of p50 per path and placement; returns why it was skipped, or ``None``."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'dmabuf-interop[plot]')"
+    plt, why = pyplot()
+    if plt is None:
+        return why
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels, values = [], []
     for pl in results["placements"]:
@@ -668,17 +553,15 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dmabuf-interop-ws-") as tmp:
         for label, devices in plan:
             cfg = {**base, "devices": devices, "address": os.path.join(tmp, f"ws-{label}.sock")}
-            results["placements"].append(_placement(label, cfg, tmp, _say))
-    results["targets"] = targets(args.workload, results["placements"], host)
+            results["placements"].append(_placement(label, cfg, _say))
+    results["targets"] = workload_targets(args.workload, results["placements"], host)
     print_table(results)
     if args.plot:
         why = plot(results, args.plot)
         results["plot"] = {"path": None, "skipped": why} if why else {"path": args.plot}
         _say(f"plot skipped: {why}" if why else f"wrote {args.plot}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
-            fh.write("\n")
+        write_json(results, args.json)
         _say(f"wrote {args.json}")
     failed = any(r.get("status") == "error" or r.get("bad_checksums") for pl in results["placements"]
                  for r in pl["rows"])
@@ -686,7 +569,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from ...procs import leave_interrupts_to_parent
-
-    leave_interrupts_to_parent()
-    sys.exit(_child(sys.argv[1:]))
+    sys.exit(serve(ROLES))
