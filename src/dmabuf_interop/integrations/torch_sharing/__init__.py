@@ -306,6 +306,7 @@ def _open_storage(handle: ShareHandle, device: int, nbytes: int) -> Any:
     wait = handle.address in _no_ipc_events
     lease, imp, offset, got, event = client.open(handle, device, wait=wait)
     hold = _Lease(client, lease, imp)
+    torch.cuda._lazy_init()
     if got != nbytes:
         raise InvalidArgumentError(f"args[8] says {nbytes} bytes, the broker of {handle.producer} lends {got}")
     if event and not wait:
@@ -360,7 +361,6 @@ def rebuild_cuda_tensor(tensor_cls: Any, tensor_size: Any, tensor_stride: Any, t
     key = (storage_handle, device)  # a tuple rebuilt twice in one process shares one storage, as torch's
     storage = storage_from_cache(storage_cls, key)
     if storage is None:
-        torch.cuda._lazy_init()
         storage = _open_storage(handle, device, storage_size_bytes)
         shared_cache[key] = StorageWeakRef(storage)
     t = torch._utils._rebuild_tensor(torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),

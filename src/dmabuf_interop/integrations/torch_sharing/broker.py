@@ -587,12 +587,24 @@ class Client:
                                       "wait": wait}, timeout=self.timeout)
             msg, fds = recv_message(self._sock, self.timeout, max_fds=_MAX_PARTS)
         except (PeerClosedError, ProtocolError, SyscallError) as exc:
+            why = self._refusal()
             self._break(exc)
-            raise StaleHandleError(self.producer, f"its broker went away or broke the protocol: {exc}") from exc
+            raise StaleHandleError(self.producer, why or f"its broker went away or broke the protocol: {exc}"
+                                   ) from exc
         try:
             return self._take(msg, fds, device)
         finally:
             close_fds(fds)  # an import keeps no fd (cuMemImportFromShareableHandle, mmap)
+
+    def _refusal(self) -> str | None:
+        """The reason of a ``refuse`` the broker sent before it closed (a uid it does not allow)."""
+        try:
+            msg, fds = recv_message(self._sock, 0.5, max_fds=0)
+        except DmaBufError:
+            return None
+        if msg.get("kind") == "refuse" and isinstance(msg.get("reason"), str):
+            return "refused: " + msg["reason"][:512]
+        return None
 
     def _take(self, msg: dict[str, Any], fds: list[int], device: int
               ) -> tuple[int, _Import, int, int, bytes] | None:
