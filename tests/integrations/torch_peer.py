@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -119,6 +120,10 @@ def spawn_main() -> None:
     sums = [q_out.get(timeout=120) for _ in ts]
     p.join(60)
     b = torch_sharing.broker._broker
+    for _ in range(100):  # the broker's reader sees the child's end of the connection
+        if b is None or b.outstanding == 0:
+            break
+        time.sleep(0.05)
     _out({"sums": sums, "expect": [float(t.double().sum()) for t in ts], "exitcode": p.exitcode,
           "broker": b is not None, "outstanding": None if b is None else b.outstanding})
 

@@ -18,10 +18,11 @@ reader sees EOF).
 Wire: :func:`~dmabuf_interop.fdpass.send_message` frames (4-byte length, JSON).
 Nothing is unpickled; every field is checked before use.
 
-consumer -> broker: ``open`` {share, token, wait}; ``release`` {leases};
-``drop`` {chunks}. broker -> consumer: ``lease`` {lease, chunk, offset,
-nbytes, retired, [size, parts, mechanism, device_uuid] + fds when new to this
-connection}; ``refuse`` {reason}.
+consumer -> broker: ``open`` {share, token, wait}; ``wait`` {lease};
+``release`` {leases}; ``drop`` {chunks}. broker -> consumer: ``lease``
+{lease, chunk, offset, nbytes, retired, event, [size, parts, mechanism,
+device_uuid] + fds when new to this connection}; ``waited``; ``refuse``
+{reason}.
 
 Lifecycle (threads): the listening thread starts with the broker
 (:func:`broker`, made on the first share) and a reader thread per accepted
