@@ -183,6 +183,7 @@ class _Conn:
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
         self.pid = pid
+        self.thread: threading.Thread | None = None
         self.leases: dict[int, _Share] = {}
         self.sent: dict[int, Any] = {}  # chunk id -> chunk whose fds went on this connection
 
@@ -410,8 +411,9 @@ class Broker:
             else:
                 send_message(c.sock, reply, timeout=SEND_TIMEOUT)
         except BaseException:
-            with self._lock:
-                c.sent.pop(chunk.id, None) if new else None
+            if new:
+                with self._lock:
+                    c.sent.pop(chunk.id, None)
             raise  # the lease is on c: _drop ends it
 
     def _release(self, c: _Conn, leases: list[int]) -> None:
@@ -455,7 +457,8 @@ class Broker:
                 pass
         self._thread.join(timeout)
         for c in conns:
-            c.thread.join(timeout)
+            if c.thread is not None:
+                c.thread.join(timeout)
         self._sock.close()
         self._finalizer()
         with self._lock:
