@@ -18,7 +18,8 @@ Callers branch on meaning, not on strings::
     │   ├── FdsInFlightError           sendmsg -> ETOOMANYREFS: too many fds queued unread at the peer
     │   ├── ProtocolError              a malformed message: no fd, too many fds, bad framing, bad field
     │   │   └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
-    │   └── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
+    │   ├── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
+    │   └── StaleHandleError           a shared-tensor handle names memory its producer no longer lends
     ├── PoolExhaustedError             a shared pool had no free block within the timeout
     └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
 
@@ -52,6 +53,7 @@ __all__ = [
     "WaitTimeoutError",
     "PeerRefusedError",
     "PoolExhaustedError",
+    "StaleHandleError",
     "TransferError",
 ]
 
@@ -207,6 +209,24 @@ class WaitTimeoutError(DmaBufError, builtins.TimeoutError):
 class PeerRefusedError(FdPassError):
     """A channel peer was refused: its credentials (``SO_PEERCRED``), protocol
     version or host did not pass the other side's checks. ``str()`` says why."""
+
+
+class StaleHandleError(FdPassError):
+    """A shared tensor's handle could not be served: its producer is gone, it never made that share
+    or has released it (a stale handle), or the handle's secret does not match (a forged one).
+
+    Attributes:
+        producer: who was asked, in words (``"pid 4242 (broker /tmp/...sock)"``).
+        reason: why, in words.
+    """
+
+    def __init__(self, producer: str, reason: str) -> None:
+        self.producer = producer
+        self.reason = reason
+        super().__init__(f"producer {producer}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.producer, self.reason)
 
 
 class PoolExhaustedError(DmaBufError):

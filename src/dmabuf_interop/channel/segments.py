@@ -152,6 +152,10 @@ class Segments:
             threading.Thread(target=self._retire, args=(idle_stale,), name="dmabuf-interop-segment-retire",
                              daemon=True).start()
 
+    def give_back(self, blocks: Iterable[SegmentBlock]) -> None:
+        """End blocks that :meth:`find_many` lent outside a channel (as a lease's end does)."""
+        self._unref_many(blocks)
+
     def _register_channel(self, channel: Any) -> None:
         with self._lock:
             self._channels.add(channel)

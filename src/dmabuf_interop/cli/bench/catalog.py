@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .torch_sharing import MECHANISMS as TORCH_SHARING
+
 __all__ = ["MECHANISMS", "CUDA_FREE", "GPU_HANDOFF_OURS", "CACHED_RING"]
 
 #: Buffers per size in the producer's ring for ``posix-fd-cached``.
@@ -47,6 +49,7 @@ MECHANISMS: dict[str, tuple[str, str | None, str]] = {
                  "cupy.cuda.runtime.ipcGetMemHandle of a CuPy array allocated before t0, the 64-byte handle sent "
                  "as JSON, ipcOpenMemHandle / ipcCloseMemHandle in the consumer"),
 }
+MECHANISMS.update(TORCH_SHARING)
 #: Mechanisms that need no CUDA driver.
 CUDA_FREE = frozenset({"memfd", "channel-host"})
 #: Ours whose consumer ends up with a usable CUDA device pointer (candidates for "our fastest").

@@ -27,6 +27,7 @@ from .catalog import CACHED_RING, MECHANISMS
 from .overhead import CallTimer
 from .protocol import check, make, take_fd
 from .reader import Reader
+from .torch_sharing import peers as torch_sharing_peers
 from .weight_sync_backends import settle_gc
 
 __all__ = ["main", "PEERS"]
@@ -617,6 +618,7 @@ PEERS: dict[str, type[Peer]] = {
     "cuda-core-ipc": CudaCoreIpc,
     "cupy-ipc": CupyIpc,
 }
+PEERS.update(torch_sharing_peers(TorchIpc))
 assert set(PEERS) == set(MECHANISMS)
 
 
