@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["HOST", "HostView", "DeviceView", "numpy_dtype", "device_dtype", "c_strides", "device_index"]
+__all__ = ["HOST", "ChunkRef", "HostView", "DeviceView", "numpy_dtype", "device_dtype", "c_strides", "device_index"]
 
 #: The device index of host memory, as :attr:`Received.device <.received.Received.device>` reports it.
 HOST = -1
@@ -167,3 +167,18 @@ def device_dtype(name: str) -> Any:
 
         dt = _DEVICE_DTYPES[name] = np.dtype("uint16" if name == "bfloat16" else name)
     return dt
+
+
+class ChunkRef:
+    """One reference on an imported chunk, held by a view (a NumPy array, a DLPack buffer) for as long as
+    the view lives: the mapping outlives an early ``release()`` or the end of the connection, so a view
+    read after them shows stale bytes instead of unmapped memory."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: Any) -> None:
+        chunk.retain()
+        self.chunk = chunk
+
+    def __del__(self) -> None:
+        self.chunk.release()
