@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..errors import DmaBufError, InvalidArgumentError, ProtocolError
 from ..fd import OwnedFd
@@ -20,10 +20,6 @@ from ._state import ChunkAnnounced
 from ._torch_views import bulk
 from .protocol import ArrayDescriptor
 from .received import Hold, Received
-
-if TYPE_CHECKING:
-    from .channel import Channel
-    from .pool import Block
 
 __all__ = ["FdCarrier", "ImportedChunk", "mechanism_for"]
 
@@ -99,7 +95,7 @@ class FdCarrier:
         self._opened_events: dict[bytes, Any] = {}  # IPC event handle -> CUevent, opened once
 
     @contextlib.contextmanager
-    def announce(self, block: "Block") -> Iterator[tuple[dict[str, Any], list[int]]]:
+    def announce(self, block: Any) -> Iterator[tuple[dict[str, Any], list[int]]]:
         """The ``chunk`` message for ``block``'s chunk and its fds, one per part (owned by the chunk;
         open while the context lasts)."""
         with block.chunk.fds() as fds:
@@ -147,7 +143,7 @@ class FdCarrier:
                                 f"connect with device=N to map it on another GPU")
         return gpus.index(uuid)
 
-    def make_received(self, channel: "Channel", lease_id: int, descs: list[ArrayDescriptor], stream: int,
+    def make_received(self, channel: Any, lease_id: int, descs: list[ArrayDescriptor], stream: int,
                       ordering: str | None, chunks: dict[int, Any]) -> list[Received]:
         """The Received of one message. ``chunks``: the chunks the descriptors name, by id, retained while
         the message waited in the queue (so a ``retire``, or the end of the connection, that came after it

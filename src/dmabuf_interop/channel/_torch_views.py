@@ -9,12 +9,9 @@ import gc
 import operator
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from .arrays import ChunkRef
-
-if TYPE_CHECKING:
-    from .received import Received
 
 __all__ = ["BatchViews", "LayoutViews", "stack_runs", "bulk", "STACK_MIN", "BULK_ITEMS"]
 
@@ -28,7 +25,7 @@ class _Keep:
     __slots__ = ("members", "__weakref__")
 
     def __init__(self) -> None:
-        self.members: list[Received] = []
+        self.members: list[Any] = []  # Received
 
 
 class BatchViews:
@@ -70,12 +67,12 @@ class BatchViews:
             self.bases[(chunk.id, dtype)] = weakref.ref(base)
         return base
 
-    def tensor(self, r: "Received", torch: Any, dtype: Any) -> Any:
+    def tensor(self, r: Any, torch: Any, dtype: Any) -> Any:
         keep = self._keep()
         keep.members.append(r)
         return self._base(r._chunk, torch, dtype, keep).as_strided(*r.descriptor.elements)
 
-    def tensors(self, items: "list[Received]", torch: Any) -> list[Any]:
+    def tensors(self, items: list[Any], torch: Any) -> list[Any]:
         """:meth:`tensor` of each of ``items`` (unreleased items of this batch), the lookups done once."""
         keep = self._keep()
         keep.members.extend(items)

@@ -71,25 +71,21 @@ from ..errors import (DmaBufError, InvalidArgumentError, LocalError, PeerClosedE
                       ProtocolError, WaitTimeoutError)
 from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
 from ._carrier import FdCarrier, mechanism_for
+from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
 from ._state import (MAX_CHUNKS, ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch,
                      LayoutForgotten, LeasesReleased, PeerClosed, PeerRefused)
 from ._torch_views import BatchViews, LayoutViews
 from .arrays import device_index
 from .lease import Lease, PeerInfo, next_lease_id
 from .pool import Block, SharedPool
-from .protocol import MAX_ITEMS, MAX_LAYOUTS, MAX_META_BYTES, MAX_SINGLE_LAYOUTS, parse_message
+from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, parse_message
 from .received import Received, as_tensors, release_all
-from .sending import Found, Memo, MemoTable, Placed, find, lend_in_place, place, signatures, stream_handle, wire_descs
+from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, stream_handle, wire_descs
 from .wire import frame_reader, send_frame, shut_down
 
-__all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS"]
+__all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
+           "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
 
-#: How long a released block may wait to be batched with others before its ``release`` message goes out, seconds.
-RELEASE_DELAY = 0.002
-#: A release this long after the last ``release`` message goes out at once, in the caller's thread, seconds.
-RELEASE_GAP = 0.0002
-#: This many releases waiting go out at once, in the caller's thread (a busy consumer's batch).
-RELEASE_BATCH = 16
 #: Seconds a message may wait for the peer to take it (a full socket buffer) before the send fails; one cut
 #: off part-way ends the connection.
 SEND_TIMEOUT = 60.0
@@ -151,14 +147,9 @@ class Channel:
         self._queue: collections.deque[_Queued] = collections.deque()
         self._imports: dict[int, Any] = {}  # the peer's chunks as imported here (the reader's)
         self._layout_views: dict[int, LayoutViews] = {}  # the peer's layouts' shared tensor runs (the reader's)
-        self._pending: list[int] = []
-        self._last_flush = 0.0  # time.monotonic() of the last release message
         self._memos = MemoTable(self._send_lock)
-        self._flusher: threading.Thread | None = None
-        # The flusher has its own wake-up, so that it never competes with recv() for the GIL
-        # when an array arrives; and _state is notified only when a recv() waits on it.
-        self._flush_wake = threading.Event()
-        self._waiters = 0
+        self._releases = ReleaseQueue(self._weak, self._state, self._send_lock, self._proto)
+        self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
         self._read_lock = threading.Lock()
@@ -308,114 +299,42 @@ class Channel:
                 :data:`~.protocol.MAX_ITEMS` arrays, or a mapping key that is not a str (of at
                 most 4096 characters): the peer would refuse the message and end the channel.
         """
-        names: list[str | None]
-        if not isinstance(arrays, (Mapping, list, tuple)):  # an array would go as a batch of its rows
-            raise InvalidArgumentError(f"send_many takes a mapping of name -> array, or a list or tuple of arrays, "
-                                       f"got {type(arrays).__name__}: use send() for one array")
-        if isinstance(arrays, Mapping):
-            names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
-            # Checked with C-level maps: a state dict has thousands of keys, sent every step.
-            if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
-                bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
-                if bad is not None:  # (a str subclass passes)
-                    shown = repr(bad) if len(repr(bad)) <= 80 else repr(bad)[:77] + "..."
-                    raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
-                                               f"got {shown} ({type(bad).__name__})")
-        else:
-            arrs, kind = list(arrays), "list"
-            names = [None] * len(arrs)
-        if not arrs:
-            raise InvalidArgumentError("an empty batch: send_many needs at least one array")
-        if len(arrs) > MAX_ITEMS:
-            raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(arrs)}: "
-                                       f"send it as several batches")
+        names, arrs, kind = batch_items(arrays)
         return self._send_items(names, arrs, stream, meta, timeout, ordering, batch=kind)
 
     def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
         """``batch``: ``"mapping"`` or ``"list"`` (:meth:`send_many`), ``None`` (:meth:`send`)."""
-        import json
-
         if self._carrier.forced_ordering is not None:
             ordering = self._carrier.forced_ordering
-        if meta is not None:
-            if not isinstance(meta, dict):
-                raise InvalidArgumentError(f"meta must be a dict, got {type(meta).__name__}")
-            try:
-                size = len(json.dumps(meta, separators=(",", ":"), allow_nan=False).encode())
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgumentError(f"meta is not JSON-serialisable: {exc}") from exc
-            if size > MAX_META_BYTES:
-                raise InvalidArgumentError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
+        check_meta(meta)
         ordering = ordering or self.ordering
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._proto.over:
             raise self._ended()
-        h = stream_handle(stream)
-        placed: list[Placed] = []
-        found: list[Found] = []
-        memo = None
+        prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
+                       batch is not None, self.share_segments)
         try:
-            again, sigs, memo = self._memos.lend_again(names, arrays, batch is not None)
-            if again is not None:
-                placed = again  # referenced again by lend_again; the except below gives them back
-                dev_pool = memo.dev_pool
-            else:
-                zero_copy = True
-                for arr in arrays:
-                    found.append(find(self.pool, arr))
-                if self.share_segments:
-                    lend_in_place(self.pool, found)
-                for name, f in zip(names, found):
-                    block, f.block = f.block, None  # from here on place() owns it
-                    p = place(self.pool, name, f.src, f.itemsize, block, h, timeout)
-                    placed.append(p)
-                    # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
-                    zero_copy = zero_copy and p.block is block and type(block) is Block and block.pool is self.pool
-                dev_pool = next((p.block.pool for p in placed if not p.block.pool.is_host), None)
-                if zero_copy and sigs is None:  # the arrays' types are known now (inspect_array met them)
-                    sigs = signatures(arrays)
-                if zero_copy and sigs is not None:
-                    memo = Memo(names, sigs, placed, dev_pool, batch is not None)
-            event = events = None
-            order = "none"
-            if dev_pool is not None:
-                from .. import _driver as driver
-
-                driver.set_current(dev_pool.device)
-                if ordering == "sync":
-                    driver.stream_synchronize(h)
-                    order = "sync"
-                elif driver.stream_idle(h):
-                    order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
-                else:
-                    events = dev_pool.events
-                    event = events.take()
-                    driver.event_record(event[0], h)
-                    order = "event"
-            for block in (memo.heads if memo is not None else (p.block for p in placed)):
+            for block in prep.heads:
                 self._announce(block)
         except BaseException:
-            for p in placed:
-                p.block.pool._unref(p.block)
-            for f in found:  # found but not placed
-                if f.block is not None:
-                    f.block.pool._unref(f.block)
+            prep.unref()
             raise
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next_lease_id(), memo.blocks if again is not None else [p.block for p in placed], event, events)
-        ev64 = base64.b64encode(event[1]).decode() if event is not None else None
+        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events)
+        ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
         with self._state:
             self._proto.lend(lease.id, lease)
         try:
-            if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
-                self._send({"kind": "array", "lease": lease.id, "desc": wire_descs(placed, order, ev64, meta)[0]})
+            if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
+                self._send({"kind": "array", "lease": lease.id,
+                            "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]})
             else:
-                self._send_batch(lease.id, placed, None if batch is None else batch == "mapping", order, ev64,
-                                 meta, memo)
+                self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
+                                 ev64, meta, prep.memo)
         except BaseException:
             with self._state:
                 self._proto.unlend(lease.id)
@@ -474,11 +393,11 @@ class Channel:
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
-            if self._pending and not self._queue:
+            if self._releases.pending and not self._queue:
                 # About to wait: send the releases now rather than after RELEASE_DELAY, unless a
                 # message has arrived already (a busy consumer lets its releases gather).
                 if not (self._reader is None and self._read_arrived()):
-                    self._flush()
+                    self._releases.flush()
             with self._state:
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
@@ -572,57 +491,7 @@ class Channel:
         ``inline``: by the caller's ``release()``, so the message may go out in its thread."""
         with self._state:
             self._proto.released(lease_id)
-        self._queue_release(lease_id, inline=inline)
-
-    def _queue_release(self, lease_id: int, *, inline: bool = False) -> None:
-        """Send the release of ``lease_id``: with ``inline``, now, in the caller's thread, when no
-        release went out within :data:`RELEASE_GAP` (so the exporter reads it before its next send,
-        not during it) or :data:`RELEASE_BATCH` are waiting; otherwise the flusher thread sends it
-        with the others of its burst, within :data:`RELEASE_DELAY`, or :meth:`recv` does when it is
-        about to wait and nothing has arrived."""
-        with self._state:
-            if self._proto.over:
-                return
-            self._pending.append(lease_id)
-            n = len(self._pending)
-            inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
-        # Non-blocking: while another thread sends, the flusher takes this one.
-        if inline and self._send_lock.acquire(blocking=False):
-            try:
-                self._flush(send_lock_held=True)
-            finally:
-                self._send_lock.release()
-            return
-        with self._state:
-            if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",
-                                                 daemon=True)
-                self._flusher.start()
-        self._flush_wake.set()
-
-    def _flush(self, *, send_lock_held: bool = False, timeout: float | None = None) -> None:
-        with self._state:
-            ids, self._pending = self._pending, []
-            if ids:
-                self._last_flush = time.monotonic()
-        if ids:
-            msg = {"kind": "release", "leases": ids}
-            try:
-                if send_lock_held:
-                    self._send_locked(msg, timeout=timeout, essential=True)
-                else:
-                    self._send(msg, essential=True)
-            except (DmaBufError, OSError):
-                pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
-
-    def _flush_loop(self) -> None:
-        while True:
-            self._flush_wake.wait()
-            self._flush_wake.clear()  # a release after this is flushed below or wakes us again
-            if self._proto.over:
-                return
-            time.sleep(RELEASE_DELAY)  # let a burst of releases share one message
-            self._flush()
+        self._releases.add(lease_id, inline=inline)
 
     # --- the reader ------------------------------------------------------------------------
 
@@ -687,7 +556,7 @@ class Channel:
                     if self._waiters:
                         self._state.notify_all()
                 elif type(ev) is EmptyBatch:
-                    self._pending.append(ev.lease)  # nothing to hold
+                    self._releases.pending.append(ev.lease)  # nothing to hold
         for ev in events:
             t = type(ev)
             if t is ChunkAnnounced:
@@ -712,7 +581,7 @@ class Channel:
             with self._state:
                 leases = self._proto.end()
                 self._state.notify_all()
-            self._flush_wake.set()  # the flusher sees the end and exits
+            self._releases.wake()  # the flusher sees the end and exits
             try:
                 self._sock.close()
             except OSError:
@@ -751,7 +620,7 @@ class Channel:
         locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
         try:
             if locked:  # the releases and the bye wait for the peer within the same timeout
-                self._flush(send_lock_held=True, timeout=remaining(deadline))
+                self._releases.flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
                     self._send_locked({"kind": "bye"}, timeout=remaining(deadline))
                 except (DmaBufError, OSError):
@@ -763,7 +632,7 @@ class Channel:
         finally:
             if locked:
                 self._send_lock.release()
-        self._flush_wake.set()
+        self._releases.wake()
         with self._state:
             self._state.notify_all()
             reader = self._reader

@@ -6,15 +6,12 @@ from __future__ import annotations
 import operator
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError, NotSupportedError
 from ._torch_views import BatchViews
 from .arrays import ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype
 from .protocol import ArrayDescriptor
-
-if TYPE_CHECKING:
-    from .channel import Channel
 
 __all__ = ["Received", "Hold", "release_all", "as_tensors"]
 
@@ -45,7 +42,7 @@ class Hold:
 
     __slots__ = ("left", "lock", "alive", "channel", "chunks", "lease_id", "stream", "ordering", "__weakref__")
 
-    def __init__(self, channel: "Channel", lease_id: int, chunks: list[Any], items: int,
+    def __init__(self, channel: Any, lease_id: int, chunks: list[Any], items: int,
                  stream: int = 0, ordering: str | None = None, *, owes: bool = True) -> None:
         self.alive = False  # until the chunk references are taken: __del__ gives back nothing before
         self.lease_id = lease_id
@@ -227,7 +224,7 @@ class Received:
     def release(self, *, synchronize: bool = True) -> None:
         """Give the block back to the producer (idempotent). The lease is released when every item
         of its message was; the ``release`` message goes out at once, or with its burst within
-        :data:`.channel.RELEASE_DELAY`.
+        :data:``RELEASE_DELAY`` (:mod:`.channel`).
 
         For device memory the stream given to ``recv`` is synchronised first
         (``cuStreamSynchronize``), so work queued on it that reads the block is done;

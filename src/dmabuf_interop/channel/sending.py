@@ -13,15 +13,15 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import DmaBufError, InvalidArgumentError
 from ._torch_views import bulk
 from .arrays import DeviceView, HostView, c_strides
 from .pool import LIVE_POOLS, Block, SharedPool
-from .protocol import DTYPES
+from .protocol import DTYPES, MAX_ITEMS, MAX_META_BYTES
 
-__all__ = ["Source", "Found", "Placed", "Memo", "MemoTable", "stream_handle", "inspect_array", "find", "lend_in_place",
+__all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
            "place", "signatures", "wire_descs", "MAX_MEMOS"]
 
 #: Most placements a channel remembers for arrays sent again (:class:`Memo`).
@@ -415,3 +415,144 @@ class MemoTable:
 
     def clear(self) -> None:
         self._memos.clear()
+
+
+def batch_items(arrays: Any) -> tuple[list[str | None], list[Any], str]:
+    """A ``send_many`` argument as ``(names, arrays, kind)``: ``kind`` ``"mapping"`` (names are the keys)
+    or ``"list"`` (names are ``None``).
+
+    Raises:
+        InvalidArgumentError: not a mapping, list or tuple; an empty batch; more than
+            :data:`~.protocol.MAX_ITEMS` arrays; a mapping key that is not a str of at most 4096 characters.
+    """
+    names: list[str | None]
+    if not isinstance(arrays, (Mapping, list, tuple)):  # an array would go as a batch of its rows
+        raise InvalidArgumentError(f"send_many takes a mapping of name -> array, or a list or tuple of arrays, "
+                                   f"got {type(arrays).__name__}: use send() for one array")
+    if isinstance(arrays, Mapping):
+        names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
+        # Checked with C-level maps: a state dict has thousands of keys, sent every step.
+        if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
+            bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
+            if bad is not None:  # (a str subclass passes)
+                shown = repr(bad) if len(repr(bad)) <= 80 else repr(bad)[:77] + "..."
+                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
+                                           f"got {shown} ({type(bad).__name__})")
+    else:
+        arrs, kind = list(arrays), "list"
+        names = [None] * len(arrs)
+    if not arrs:
+        raise InvalidArgumentError("an empty batch: send_many needs at least one array")
+    if len(arrs) > MAX_ITEMS:
+        raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(arrs)}: "
+                                   f"send it as several batches")
+    return names, arrs, kind
+
+
+def check_meta(meta: Any) -> None:
+    """A caller's ``meta``: ``None`` or a JSON object of at most :data:`~.protocol.MAX_META_BYTES` as compact JSON.
+
+    Raises:
+        InvalidArgumentError: not a dict, not JSON-serialisable, or too large.
+    """
+    import json
+
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"meta must be a dict, got {type(meta).__name__}")
+        try:
+            size = len(json.dumps(meta, separators=(",", ":"), allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"meta is not JSON-serialisable: {exc}") from exc
+        if size > MAX_META_BYTES:
+            raise InvalidArgumentError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A send ready to go: where each array lies (``placed``, each block referenced for the lease), the
+    memo it came from or goes to, and how the peer learns the writes are done (``order``: ``"none"``,
+    ``"sync"`` or ``"event"`` with ``event``, an ``(CUevent, IPC handle)`` of the pool ``events``)."""
+
+    placed: list[Placed]
+    memo: Memo | None
+    again: bool
+    order: str
+    event: Any
+    events: Any
+
+    @property
+    def blocks(self) -> list[Any]:
+        """The lease's blocks (a remembered placement's list, shared: a Lease never changes it)."""
+        return self.memo.blocks if self.again and self.memo is not None else [p.block for p in self.placed]
+
+    @property
+    def heads(self) -> Any:
+        """One block per chunk when remembered (to check that the peer has each chunk), else every block."""
+        return self.memo.heads if self.memo is not None else [p.block for p in self.placed]
+
+    def unref(self) -> None:
+        """The send failed: give every block back."""
+        for p in self.placed:
+            p.block.pool._unref(p.block)
+
+
+def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
+            timeout: float | None, ordering: str, batch: bool, share_segments: bool) -> Prepared:
+    """Place every array of a send (:class:`MemoTable.lend_again`, else :func:`find`, :func:`lend_in_place`
+    and :func:`place`), then order the writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
+    nothing pending on ``stream``: ``cuStreamQuery``) or ``"event"`` (``cuEventRecord`` of an interprocess
+    event). On failure every block taken is given back.
+
+    Raises:
+        what :func:`find` and :func:`place` raise; CudaError: a driver call failed.
+    """
+    placed: list[Placed] = []
+    found: list[Found] = []
+    memo = None
+    try:
+        again, sigs, memo = memos.lend_again(names, arrays, batch)
+        if again is not None:
+            placed = again  # referenced again by lend_again; the except below gives them back
+            dev_pool = memo.dev_pool
+        else:
+            zero_copy = True
+            for arr in arrays:
+                found.append(find(pool, arr))
+            if share_segments:
+                lend_in_place(pool, found)
+            for name, f in zip(names, found):
+                block, f.block = f.block, None  # from here on place() owns it
+                p = place(pool, name, f.src, f.itemsize, block, stream, timeout)
+                placed.append(p)
+                # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
+                zero_copy = zero_copy and p.block is block and type(block) is Block and block.pool is pool
+            dev_pool = next((p.block.pool for p in placed if not p.block.pool.is_host), None)
+            if zero_copy and sigs is None:  # the arrays' types are known now (inspect_array met them)
+                sigs = signatures(arrays)
+            if zero_copy and sigs is not None:
+                memo = Memo(names, sigs, placed, dev_pool, batch)
+        event = events = None
+        order = "none"
+        if dev_pool is not None:
+            from .. import _driver as driver
+
+            driver.set_current(dev_pool.device)
+            if ordering == "sync":
+                driver.stream_synchronize(stream)
+                order = "sync"
+            elif driver.stream_idle(stream):
+                order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
+            else:
+                events = dev_pool.events
+                event = events.take()
+                driver.event_record(event[0], stream)
+                order = "event"
+    except BaseException:
+        for p in placed:
+            p.block.pool._unref(p.block)
+        for f in found:  # found but not placed
+            if f.block is not None:
+                f.block.pool._unref(f.block)
+        raise
+    return Prepared(placed, memo, again is not None, order, event, events)
