@@ -318,6 +318,10 @@ class ConnectionState:
         """Leases out and not released."""
         return len(self._lent)
 
+    def lent_ids(self) -> list[int]:
+        """The ids of the leases out, oldest first."""
+        return list(self._lent)
+
     def choose_layout(self, key: Hashable, single: bool) -> LayoutChoice:
         """Define a layout for this placement, or repeat the one the peer has for it. ``key`` says
         everything the peer's descriptors would hold but the ordering, event and meta (names, chunks,
@@ -351,6 +355,10 @@ class ConnectionState:
 
     def chunk(self, chunk_id: int) -> ChunkFact | None:
         return self._chunks.get(chunk_id)
+
+    def chunk_ids(self) -> list[int]:
+        """The ids of the peer's chunks known here, in the order they were announced."""
+        return list(self._chunks)
 
     @property
     def held(self) -> frozenset[int]:
