@@ -28,17 +28,15 @@ class ReleaseQueue:
     """The releases of one channel waiting to go out, and the flusher thread that sends them.
 
     Args:
-        channel_ref: a weak reference to the channel (its ``_send``/``_send_locked`` send the messages;
-            weak, so that the queue never keeps a channel alive).
+        link: the channel's :class:`._link.Link` (its writer, whose lock is the send lock).
         cond: the channel's state lock, under which ``pending`` changes.
-        send_lock: the channel's send lock.
         proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
     """
 
-    def __init__(self, channel_ref: Any, cond: threading.Condition, send_lock: threading.Lock, proto: Any) -> None:
-        self._channel = channel_ref
+    def __init__(self, link: Any, cond: threading.Condition, proto: Any) -> None:
+        self._link = link
         self._cond = cond
-        self._send_lock = send_lock
+        self._send_lock = link.lock
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
         self._last_flush = 0.0  # time.monotonic() of the last release message
@@ -79,14 +77,13 @@ class ReleaseQueue:
             ids, self.pending = self.pending, []
             if ids:
                 self._last_flush = time.monotonic()
-        ch = self._channel()
-        if ids and ch is not None:
+        if ids:
             msg = {"kind": "release", "leases": ids}
             try:
                 if send_lock_held:
-                    ch._send_locked(msg, timeout=timeout, essential=True)
+                    self._link.send_locked(msg, timeout=timeout, essential=True)
                 else:
-                    ch._send(msg, essential=True)
+                    self._link.send(msg, essential=True)
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
 

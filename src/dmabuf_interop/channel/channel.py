@@ -22,12 +22,13 @@ messages gathered for :data:`RELEASE_DELAY`. Both are daemon threads and exit wh
 
 Who owns what. ``_read_lock``: whoever reads the socket (``recv`` in the caller's thread, or the reader
 for good); it alone touches ``_frames``, ``_imports`` (``chunk id -> imported chunk``) and
-``_layout_views``. ``_send_lock``: every write to the socket, and the half of the protocol state that
-says what this end lent to the peer (chunks announced, layouts defined: :meth:`ConnectionState.choose_layout`
-and :meth:`~ConnectionState.layout_sent` are called under it, so layouts reach the peer in the order
-they are defined) and the memo table. ``_state`` (a Condition): the other half of the protocol state
-(phase, leases lent, leases held, the peer's chunks and layouts: :meth:`ConnectionState.receive` is
-called under it), the queue of arrived arrays and the pending releases; waiters in ``recv`` sleep on it.
+``_layout_views``. ``_send_lock`` (the :class:`._link.Link`'s lock): every write to the socket, and the
+half of the protocol state that says what this end lent (chunks announced, layouts defined:
+:meth:`ConnectionState.choose_layout` and :meth:`~ConnectionState.layout_sent` are called under it, so
+layouts reach the peer in the order they are defined; ``send_failed``), and the memo table. ``_state`` (a
+Condition): the other half of the protocol state (phase, leases lent and held, the peer's chunks and
+layouts: :meth:`ConnectionState.receive` is called under it), the queue of arrived arrays and the
+:class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
@@ -38,13 +39,15 @@ the garbage collector, in whatever thread allocated) releases the peer's lease: 
 start the flusher thread, and never blocks on the send lock. It can run in a thread that already holds
 ``_state`` (the reader allocates while handling a message), which is why ``_state`` is a Condition over
 a re-entrant lock (the default) and why :class:`ConnectionState` tolerates ``released()`` between two
-steps of ``receive()``. A finalizer never sends, never waits, never takes ``_read_lock``.
+steps of ``receive()``. A view's :class:`~.arrays.ChunkRef` dropped last unmaps its chunk (``munmap``,
+``cuMemUnmap``) in whatever thread drops it. A finalizer never sends, never waits on the socket, and
+never takes ``_read_lock`` or ``_send_lock`` blocking.
 
-fork(). Nothing of a channel survives in a child: the threads are not there, and its locks may be held
-by threads that are gone. A forked child must not use a channel (or a pool) of its parent; it opens its
-own (``connect`` after the fork). CUDA refuses a child forked after ``cuInit``
-(:class:`~..errors.ForkedAfterInitError`); host pools and channels never initialise CUDA, so a process
-that forks workers should make them before any device pool.
+fork(). Nothing here runs at fork: a child has none of the channel's threads, and its locks may be
+held by threads that are gone. A forked child must not use a channel (or a pool) of its parent; it
+opens its own (``connect`` after the fork). A child forked after ``cuInit`` cannot use CUDA
+(:class:`~..errors.ForkedAfterInitError`); host pools, and channels that map no device chunk, never
+initialise CUDA, so a process that forks workers should make them before any device pool.
 
 Speed tricks here, measured and load-bearing: the inline release (:data:`RELEASE_GAP`,
 :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not during it); reading in
@@ -56,7 +59,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import copy
 import numbers
 import operator
 import socket
@@ -69,8 +71,9 @@ from typing import Any, Mapping, Sequence
 from .._time import check_timeout, deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, LocalError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
-from ..fdpass import _broken_recv, _broken_send, close_fds, send_message
+from ..fdpass import _broken_recv, close_fds
 from ._carrier import FdCarrier, mechanism_for
+from ._link import SEND_TIMEOUT, Link
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
 from ._state import (MAX_CHUNKS, ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch,
                      LayoutForgotten, LeasesReleased, PeerClosed, PeerRefused)
@@ -81,14 +84,11 @@ from .pool import Block, SharedPool
 from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, parse_message
 from .received import Received, as_tensors, release_all
 from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, stream_handle, wire_descs
-from .wire import frame_reader, send_frame, shut_down
+from .wire import frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
            "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
 
-#: Seconds a message may wait for the peer to take it (a full socket buffer) before the send fails; one cut
-#: off part-way ends the connection.
-SEND_TIMEOUT = 60.0
 
 _NAME = operator.attrgetter("name")
 
@@ -141,14 +141,16 @@ class Channel:
         self._proto = ConnectionState(self._carrier.transport, max_chunks=MAX_CHUNKS, max_layouts=MAX_LAYOUTS,
                                       max_single_layouts=MAX_SINGLE_LAYOUTS)
         self._sock = sock
-        self._send_lock = threading.Lock()
+        # The limit is read here, from this module, so that a test may make it small.
+        self._link = Link(sock, self._proto, SEND_TIMEOUT)
+        self._send_lock = self._link.lock
         self._weak = weakref.ref(self)  # shared by every Hold (see there)
         self._state = threading.Condition()  # over an RLock: see Note [channel threads and fork]
         self._queue: collections.deque[_Queued] = collections.deque()
         self._imports: dict[int, Any] = {}  # the peer's chunks as imported here (the reader's)
         self._layout_views: dict[int, LayoutViews] = {}  # the peer's layouts' shared tensor runs (the reader's)
         self._memos = MemoTable(self._send_lock)
-        self._releases = ReleaseQueue(self._weak, self._state, self._send_lock, self._proto)
+        self._releases = ReleaseQueue(self._link, self._state, self._proto)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
@@ -176,53 +178,6 @@ class Channel:
 
     # --- sending --------------------------------------------------------------------
 
-    def _send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False) -> None:
-        with self._send_lock:
-            self._send_locked(obj, fd, essential=essential)
-
-    def _send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None,
-                     timeout: float | None = None, *, essential: bool = False) -> None:
-        """Send one message (the caller holds the send lock), waiting at most ``timeout`` seconds
-        (default :data:`SEND_TIMEOUT`) for the peer to take it. ``essential``: a ``release`` or
-        ``retire``, which the peer must not miss while the connection lasts (its blocks would stay
-        lent, or its mapping kept): one the peer took none of ends the connection too."""
-        if not self._proto.can_send or self._sock in _broken_send:
-            raise self._ended()
-        wait = SEND_TIMEOUT if timeout is None else timeout
-        try:
-            if fd is None:
-                send_frame(self._sock, obj, wait)
-            else:
-                send_message(self._sock, obj, fd, timeout=wait)
-        except BaseException as exc:
-            cut = self._sock in _broken_send
-            if not (cut or (essential and isinstance(exc, WaitTimeoutError))):
-                raise  # nothing of the message went out: the connection is as it was
-            # Cut off after its first byte (a peer that stopped reading, or an interrupt), the stream
-            # is out of step for good; or an essential message could not go. End it: the peer sees the
-            # end at once, our reader ends the channel. Kept without its traceback (a copy): that would
-            # hold the sender's frames, and with them its arrays and their pool chunks.
-            self._proto.send_failed(copy.copy(exc))
-            shut_down(self._sock)  # (we hold the send lock, under which _end closes the socket)
-            if not isinstance(exc, DmaBufError):
-                raise  # (KeyboardInterrupt and the like stay what they are)
-            what = "was cut off" if cut else "could not go"
-            raise PeerClosedError(f"the {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
-                                  f"ended") from exc
-
-    def _ended(self) -> PeerClosedError:
-        """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
-        err = self._proto.error
-        if self._proto.closed_here:
-            why = "the channel is closed"
-        elif err is None or isinstance(err, PeerClosedError):
-            why = "the peer closed the channel"
-        else:  # a failure here (no fd left to map a chunk, a message cut off), not the peer's doing
-            why = f"the connection ended on an error: {type(err).__name__}: {err}"
-        exc = PeerClosedError(why)
-        exc.__cause__ = err
-        return exc
-
     def _announce(self, block: Block) -> None:
         chunk = block.chunk
         if self._proto.is_announced(chunk.id):
@@ -230,7 +185,7 @@ class Channel:
         with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
                 with self._carrier.announce(block) as (msg, fds):
-                    self._send_locked(msg, fds)
+                    self._link.send_locked(msg, fds)
                 self._proto.chunk_announced(chunk.id)
         block.pool._register_channel(self)
 
@@ -240,7 +195,7 @@ class Channel:
             self._memos.forget_chunk(chunk_id)
         if self._proto.retire_chunk(chunk_id):
             try:
-                self._send({"kind": "retire", "chunk": chunk_id}, essential=True)
+                self._link.send({"kind": "retire", "chunk": chunk_id}, essential=True)
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
@@ -313,7 +268,7 @@ class Channel:
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._proto.over:
-            raise self._ended()
+            raise self._link.ended()
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
                        batch is not None, self.share_segments)
         try:
@@ -330,7 +285,7 @@ class Channel:
             self._proto.lend(lease.id, lease)
         try:
             if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
-                self._send({"kind": "array", "lease": lease.id,
+                self._link.send({"kind": "array", "lease": lease.id,
                             "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]})
             else:
                 self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
@@ -351,7 +306,7 @@ class Channel:
         placement came from it (a repeat of its layout) or is to be remembered in it."""
         with self._send_lock:
             if memo is not None and self._memos.is_current(memo):
-                self._send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
+                self._link.send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
                                    "event": ev64, "meta": meta})
                 return
         key = (mapping, tuple((p.name, p.block.chunk.id, p.block.offset, p.block.size, p.offset, p.shape, p.strides,
@@ -363,15 +318,15 @@ class Channel:
             if not choice.define:
                 if memo is not None:
                     self._memos.remember(memo, choice.id)
-                self._send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
+                self._link.send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
                                    "event": ev64, "meta": meta})
                 return
             descs = wire_descs(placed, order, ev64, meta)
             try:
                 if mapping is None:
-                    self._send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id})
+                    self._link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id})
                 else:
-                    self._send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                    self._link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
                                        "layout": choice.id})
             except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
                 raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
@@ -407,7 +362,7 @@ class Channel:
                     err = self._proto.error
                     if isinstance(err, (ProtocolError, PeerRefusedError)):
                         raise type(err)(str(err)) from err
-                    raise self._ended()
+                    raise self._link.ended()
                 left = remaining(deadline)
                 expired = left is not None and left <= 0
                 if expired and (drained or self._reader is not None):
@@ -622,7 +577,7 @@ class Channel:
             if locked:  # the releases and the bye wait for the peer within the same timeout
                 self._releases.flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
-                    self._send_locked({"kind": "bye"}, timeout=remaining(deadline))
+                    self._link.send_locked({"kind": "bye"}, timeout=remaining(deadline))
                 except (DmaBufError, OSError):
                     pass  # the peer is gone, or not reading, or the connection broke: ended below all the same
             with self._state:
