@@ -21,8 +21,10 @@ ends the connection (:attr:`ConnectionState.end_reason` is then ``PROTOCOL_ERROR
 side asks :meth:`ConnectionState.choose_layout` whether a placement defines a layout or repeats
 one, and reports a definition that went out with :meth:`ConnectionState.layout_sent`.
 
-Not thread-safe: its owner serialises every call (the channel makes them under its state lock;
-see Note [channel threads and fork] in :mod:`.channel`). The I/O side keeps its ``id -> object``
+Not thread-safe: its owner serialises the calls on each half. The channel makes the calls about what it
+lends (``is_announced``, ``chunk_announced``, ``retire_chunk``, ``choose_layout``, ``layout_sent``,
+``send_failed``) under its send lock, and every other call under its state lock (see Note [channel
+threads and fork] in :mod:`.channel`). The I/O side keeps its ``id -> object``
 maps (imported chunks, what a layout's tensors share) in step from the events. The golden
 vectors in ``spec/vectors/`` drive this class; ``spec/vectors/README.md`` describes them.
 """

@@ -193,7 +193,8 @@ class Channel:
         self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
         with self._send_lock:  # placements in the chunk are gone
             self._memos.forget_chunk(chunk_id)
-        if self._proto.retire_chunk(chunk_id):
+            known = self._proto.retire_chunk(chunk_id)
+        if known:
             try:
                 self._link.send({"kind": "retire", "chunk": chunk_id}, essential=True)
             except (DmaBufError, OSError):
