@@ -21,7 +21,13 @@ Callers branch on meaning, not on strings::
     │   ├── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
     │   └── StaleHandleError           a shared-tensor handle names memory its producer no longer lends
     ├── PoolExhaustedError             a shared pool had no free block within the timeout
+    ├── TransferError                  a transfer-engine call (NIXL) failed
+    ├── LocalError                     this process failed on a message the protocol allows (never the peer's fault)
     └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
+
+The peer's faults and ours are apart: a :class:`ProtocolError` (or :class:`PeerRefusedError`) says the peer
+broke the protocol or refused us; a :class:`LocalError`, :class:`SyscallError` or :class:`CudaError` says
+this process failed.
 
 Every error pickles with its class, message and attributes, so it crosses a
 ``multiprocessing`` or ``concurrent.futures`` process boundary intact.
@@ -55,6 +61,7 @@ __all__ = [
     "PoolExhaustedError",
     "StaleHandleError",
     "TransferError",
+    "LocalError",
 ]
 
 
@@ -235,3 +242,8 @@ class PoolExhaustedError(DmaBufError):
 
 class TransferError(DmaBufError):
     """A transfer-engine call (NIXL: register, metadata, READ) failed; ``str()`` names the call and NIXL's status."""
+
+
+class LocalError(DmaBufError):
+    """This process failed, not the peer: a channel could not handle a message the protocol allows (a bug
+    here). The connection ends, and the peer is not blamed: a peer's fault is a :class:`ProtocolError`."""

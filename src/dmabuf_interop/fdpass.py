@@ -394,57 +394,10 @@ def recv_message(sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT, *
 
 def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_bytes: int,
                  rest_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
-    """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``)."""
-    _check_in_step(sock, _broken_recv, "receive")
-    stream = _type(sock) == _STREAM
-    fds: list[int] = []
-    started = False
-    # On a stream socket read only the header first, so that the next message
-    # (and any fd riding on it) is never swallowed together with this one.
-    first = _HEADER.size if stream else _HEADER.size + max_bytes
-    try:
-        data, flags = _recvmsg_ready(sock, first, fds, deadline, "a message")
-        if rest_timeout is not None:
-            deadline = _deadline(rest_timeout)
-        if not data:
-            if fds:
-                raise ProtocolError("fds arrived with no message bytes")
-            raise PeerClosedError("peer closed the socket before sending a message")
-        started = stream
-        first_fds = len(fds)
-        while len(data) < _HEADER.size:
-            more, more_flags = _recv_more(sock, _HEADER.size - len(data), deadline, fds)
-            data, flags = data + more, flags | more_flags
-        (n,) = _HEADER.unpack_from(data)
-        if n > max_bytes:
-            raise ProtocolError(f"frame announces {n} bytes, more than {max_bytes}")
-        want = _HEADER.size + n
-        while len(data) < want:
-            more, more_flags = _recv_more(sock, want - len(data), deadline, fds)
-            data, flags = data + more, flags | more_flags
-        started = False  # the whole frame is in: the connection is in step whatever follows
-        if len(data) > want:
-            raise ProtocolError(f"{len(data) - want} unexpected bytes after a {n}-byte message")
-        if flags & _CTRUNC:
-            _truncated(fds)
-        if len(fds) > first_fds:
-            raise ProtocolError("fds arrived after the first byte of a message; all were closed")
-        if len(fds) > max_fds:
-            raise ProtocolError(f"message carried {len(fds)} fds, at most {max_fds} expected; all were closed")
-        return decode_message(data, max_bytes), fds
-    except BaseException as exc:
-        close_fds(fds)
-        if started:
-            _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
-        raise
-
-
-def _recv_more(sock: socket.socket, n: int, deadline: float | None, fds: list[int]) -> tuple[bytes, int]:
-    """Up to ``n`` more bytes of a message already begun (fds that ride on them go to ``fds``)."""
-    chunk, flags = _recvmsg_ready(sock, n, fds, deadline, "the rest of a message")
-    if not chunk:
-        raise PeerClosedError("peer closed the socket in the middle of a message")
-    return chunk, flags
+    """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``): one
+    :class:`FrameReader` that reads exactly one message and nothing of the next (``bufsize=0``)."""
+    reader = FrameReader(sock, max_fds=max_fds, max_bytes=max_bytes, rest_timeout=rest_timeout, bufsize=0)
+    return reader._read(deadline)
 
 
 class FrameReader:
@@ -461,13 +414,17 @@ class FrameReader:
     peer could have sent them with anyway.)
 
     Once a reader has read a socket, nothing else may read it: bytes of later messages may wait in
-    the buffer. Not thread-safe: one reader at a time (the caller holds a lock).
+    the buffer (unless ``bufsize`` is 0: then it reads exactly one message at a time, the header
+    first, and nothing of the next; :func:`recv_message` reads so). Not thread-safe: one reader at a
+    time (the caller holds a lock). On a record socket (``SOCK_SEQPACKET``) a message is one record:
+    bytes after its frame in the same record are a ProtocolError.
 
     Args:
-        sock: a connected stream socket (AF_UNIX, or TCP with ``max_fds=0``).
+        sock: a connected socket (AF_UNIX stream or seqpacket, or TCP with ``max_fds=0``).
         max_fds: the most fds one message may carry.
         max_bytes: the largest JSON body accepted.
-        rest_timeout: seconds the rest of a message may take once its first byte is here.
+        rest_timeout: seconds the rest of a message may take once its first byte is here (``None``: the
+            rest shares the wait of the read that began it).
         bufsize: bytes asked of each ``recvmsg`` beyond the message being completed.
     """
 
@@ -477,7 +434,9 @@ class FrameReader:
         self.max_fds = max_fds
         self.max_bytes = max_bytes
         self.rest_timeout = rest_timeout
-        self.bufsize = bufsize
+        # A record socket returns one whole record per recvmsg: asking for less would cut it.
+        self._records = _type(sock) != _STREAM
+        self.bufsize = _HEADER.size + max_bytes if self._records else bufsize
         self._buf = bytearray()
         self._pos = 0  # where the next message begins in _buf
         # By the offset in _buf of the message they rode on: its fds, and the error to raise for it
@@ -551,8 +510,18 @@ class FrameReader:
                     except DmaBufError as exc:
                         err = exc
                 at = self._last_start(since)
-                if at is None:
+                if at is None and self.bufsize:
                     raise err or ProtocolError("fds arrived after the first byte of a message; all were closed")
+                if at is None:
+                    # One message at a time (recv_message): on a later byte of the message being completed
+                    # (``_fill`` runs only while the message at ``_pos`` is incomplete), refused once its whole
+                    # frame is in, so the stream stays in step.
+                    close_fds(fds)
+                    fds = []
+                    mine, _ = self._fds.get(self._pos, ([], None))
+                    err = err or ProtocolError("fds arrived after the first byte of a message; all were closed")
+                    self._fds[self._pos] = (mine, err)
+                    return
                 self._fds[at] = (fds, err)
         except BaseException:
             close_fds(fds)
@@ -566,9 +535,11 @@ class FrameReader:
         kernel truncated (``MSG_CTRUNC``), after the messages before it. A failure in the middle of
         a message, or a bad length, marks the connection broken for reading (every later call raises).
         """
+        return self._read(_deadline(timeout))
+
+    def _read(self, deadline: float | None) -> tuple[dict[str, Any], list[int]]:
         sock = self.sock
         _check_in_step(sock, _broken_recv, "receive")
-        deadline = _deadline(timeout)
         try:
             while True:
                 span = self._complete()
@@ -576,7 +547,7 @@ class FrameReader:
                     break
                 if self._pos < len(self._buf):  # part of a message is here: its rest has its own time
                     if self._rest_deadline is None:
-                        self._rest_deadline = _deadline(self.rest_timeout)
+                        self._rest_deadline = deadline if self.rest_timeout is None else _deadline(self.rest_timeout)
                     wait = self._rest_deadline
                 else:
                     wait = deadline
@@ -594,6 +565,11 @@ class FrameReader:
         self._rest_deadline = None
         fds, err = self._fds.pop(start, None) or ([], None)
         frame = self._buf[start:end]  # (a copy: the buffer is cleared or moved on below)
+        if self._records and end < len(self._buf):  # the rest of its record: not a message of its own
+            extra = len(self._buf) - end
+            self.discard()
+            close_fds(fds)
+            raise ProtocolError(f"{extra} unexpected bytes after a {end - start - _HEADER.size}-byte message")
         if end == len(self._buf):
             self._buf.clear()
             self._pos = 0

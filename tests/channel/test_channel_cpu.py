@@ -476,12 +476,12 @@ def test_send_many_of_the_same_blocks_repeats_its_layout(addr: str, pool: Shared
         values, metas = round_trip(prod, cons, state, {"step": step})
         assert metas == {"w": {"step": step}, "b": None}
         assert (values["w"] == step).all() and (values["b"] == step / 2).all()
-    assert len(prod._layouts_sent) == len(cons._layouts) == 1  # defined once, repeated twice
+    assert len(prod.protocol_state.layouts_sent()) == len(cons.protocol_state.layouts_held()) == 1  # defined once, repeated twice
     # More layouts than either end remembers: the oldest is forgotten on both sides alike
     extra = [pool.empty(i + 1, "uint8") for i in range(MAX_LAYOUTS)]
     for a in extra:
         round_trip(prod, cons, [a])
-    assert len(prod._layouts_sent) == len(cons._layouts) == MAX_LAYOUTS
+    assert len(prod.protocol_state.layouts_sent()) == len(cons.protocol_state.layouts_held()) == MAX_LAYOUTS
     state["w"][:] = 7
     values, metas = round_trip(prod, cons, state, {"step": 7})  # defined again, not repeated
     assert metas["w"] == {"step": 7} and (values["w"] == 7).all()
@@ -504,14 +504,14 @@ def test_a_ring_of_blocks_sent_one_at_a_time_repeats_their_layouts(addr: str, po
             got.release()
             lease.wait(5)
     # Each array defined its layout once and was repeated since; the batches' layouts are apart.
-    assert len(prod._single_layouts_sent) == len(cons._single_layouts) == 40
-    assert not prod._layouts_sent and not cons._layouts
+    assert len(prod.protocol_state.layouts_sent(single=True)) == len(cons.protocol_state.layouts_held(single=True)) == 40
+    assert not prod.protocol_state.layouts_sent() and not cons.protocol_state.layouts_held()
     # More than either end remembers: the oldest are forgotten on both sides alike, and sent again in full.
     more = [pool.empty(1, "uint8") for _ in range(MAX_SINGLE_LAYOUTS)]
     for a in more:
         prod.send(a)
         cons.recv(5).release()
-    assert len(prod._single_layouts_sent) == len(cons._single_layouts) == MAX_SINGLE_LAYOUTS
+    assert len(prod.protocol_state.layouts_sent(single=True)) == len(cons.protocol_state.layouts_held(single=True)) == MAX_SINGLE_LAYOUTS
     ring[0][:] = 7
     lease = prod.send(ring[0])
     with cons.recv(5) as got:
@@ -534,7 +534,7 @@ def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(a
         assert pool.used_bytes == live  # every lease gave its blocks back
         assert len(prod._memos) == 1  # remembered from the first send on
     (memo,) = prod._memos.values()
-    assert memo.layout is not None and len(prod._layouts_sent) == 1
+    assert memo.layout is not None and len(prod.protocol_state.layouts_sent()) == 1
     # A new array where the old one was (its block freed, another allocated at the same address):
     # the remembered block is gone, so the batch is looked up again and lends the new block.
     old_ptr = state["b"].ctypes.data
@@ -551,7 +551,7 @@ def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(a
     values, _ = round_trip(prod, cons, state)
     assert values["w"].shape == (3, 4) and (values["w"] == 2).all()
     same_place = state["b"].ctypes.data == old_ptr  # then the new "b" repeats the first layout
-    assert len(prod._layouts_sent) == (2 if same_place else 3) and pool.used_bytes == live
+    assert len(prod.protocol_state.layouts_sent()) == (2 if same_place else 3) and pool.used_bytes == live
     # Arrays copied into the pool are never remembered: each send copies anew.
     values, _ = round_trip(prod, cons, {"x": np.arange(3)})
     values, _ = round_trip(prod, cons, {"x": np.arange(3) + 1})
@@ -908,10 +908,10 @@ def test_layouts_stay_in_step_whatever_is_sent_again(tmp_path: Path, monkeypatch
                 assert all(np.array_equal(got[n].as_array(), names[n]) for n in names)
                 release_all(got.values())
                 lease.wait(5)
-            assert len(prod._single_layouts_sent) == len(cons._single_layouts) <= 3
-            assert len(prod._layouts_sent) == len(cons._layouts) <= 2
-            assert set(prod._single_layouts_sent.values()) == set(cons._single_layouts)
-            assert set(prod._layouts_sent.values()) == set(cons._layouts)
+            assert len(prod.protocol_state.layouts_sent(single=True)) == len(cons.protocol_state.layouts_held(single=True)) <= 3
+            assert len(prod.protocol_state.layouts_sent()) == len(cons.protocol_state.layouts_held()) <= 2
+            assert prod.protocol_state.layouts_sent(single=True) == cons.protocol_state.layouts_held(single=True)
+            assert prod.protocol_state.layouts_sent() == cons.protocol_state.layouts_held()
         for x in (cons, prod, listener):
             x.close()
 
@@ -977,7 +977,7 @@ def test_arrays_queued_before_the_end_stay_readable_after_it(addr: str, pool: Sh
 
 
 def test_a_large_batch_pauses_the_collector_and_leaves_it_as_it_was(addr: str) -> None:
-    from dmabuf_interop.channel.channel import BULK_ITEMS
+    from dmabuf_interop.channel._torch_views import BULK_ITEMS
 
     with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
         listener, prod, cons = pair(addr, pool)
@@ -1029,7 +1029,7 @@ def test_arrays_of_another_pool_are_not_remembered(addr: str, pool: SharedPool) 
             lease = prod.send(a)
             cons.recv(5).release()
             lease.wait(5)
-        assert prod._memos == {}  # a remembered block would hold that pool
+        assert len(prod._memos) == 0  # a remembered block would hold that pool
     for x in (cons, prod, listener):
         x.close()
 
@@ -1058,7 +1058,7 @@ def test_close_drops_arrays_that_were_not_received_and_unmaps_their_chunks(addr:
         deadline = time.monotonic() + 5
         while not cons._queue and time.monotonic() < deadline:
             time.sleep(0.01)
-        (chunk,) = cons._queue[0][5].values()
+        (chunk,) = cons._queue[0].chunks.values()
         cons.close()
         assert chunk.refs == 0 and chunk.retired and chunk.buf.closed
         with pytest.raises(PeerClosedError):
@@ -1230,7 +1230,7 @@ def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: Shar
 
 
 def test_device_view_is_a_dlpack_producer_on_its_gpu_that_keeps_its_owners_and_goes_on_with_its_dtype() -> None:
-    from dmabuf_interop.channel.channel import _inspect
+    from dmabuf_interop.channel.sending import inspect_array as _inspect
     from dmabuf_interop.channel.pool import DeviceView
 
     class Owner:

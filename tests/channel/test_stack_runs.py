@@ -1,4 +1,4 @@
-"""Runs of like items that one strided view holds (``channel._stack_runs``): which items join, that each
+"""Runs of like items that one strided view holds (``channel._torch_views.stack_runs``): which items join, that each
 run gives the items' own (shape, strides, offset), and when a batch's tensors are cut from runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmabuf_interop.channel.channel import STACK_MIN, _stack_runs
+from dmabuf_interop.channel._torch_views import STACK_MIN, stack_runs
 
 
 def _moe_plans(layers: int = 3, experts: int = 32) -> list[Any]:
@@ -54,7 +54,7 @@ def _check(plans: list[Any], runs: list[Any], singles: list[int], min_run: int) 
 
 def test_experts_laid_out_in_turn_form_runs_and_the_rest_stays_single() -> None:
     plans = _moe_plans()
-    runs, singles = _stack_runs(plans)
+    runs, singles = stack_runs(plans)
     _check(plans, runs, singles, STACK_MIN)
     # per layer: gate and up (same shape, every other item) and down, one run of 32 each
     assert sorted(len(r[5]) for r in runs) == [32] * 9
@@ -64,14 +64,14 @@ def test_experts_laid_out_in_turn_form_runs_and_the_rest_stays_single() -> None:
 
 def test_fewer_like_items_than_a_run_stay_single() -> None:
     plans = [((0, "float32"), ((4,), (1,), 64 * i)) for i in range(STACK_MIN - 1)]
-    assert _stack_runs(plans) == ([], list(range(STACK_MIN - 1)))
+    assert stack_runs(plans) == ([], list(range(STACK_MIN - 1)))
 
 
 def test_items_at_one_offset_or_stepping_back_form_no_run() -> None:
     same = [((0, "int8"), ((16,), (1,), 0)) for _ in range(20)]
     back = [((0, "int8"), ((16,), (1,), 1000 - 16 * i)) for i in range(20)]
-    assert _stack_runs(same) == ([], list(range(20)))
-    assert _stack_runs(back) == ([], list(range(20)))
+    assert stack_runs(same) == ([], list(range(20)))
+    assert stack_runs(back) == ([], list(range(20)))
 
 
 _plan = st.tuples(st.tuples(st.integers(0, 2), st.sampled_from(["float32", "int8"])),
@@ -82,7 +82,7 @@ _plan = st.tuples(st.tuples(st.integers(0, 2), st.sampled_from(["float32", "int8
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_plan, max_size=80), st.integers(2, 10))
 def test_runs_and_singles_partition_any_batch_and_give_each_items_own_view(plans: list[Any], min_run: int) -> None:
-    runs, singles = _stack_runs(plans, min_run)
+    runs, singles = stack_runs(plans, min_run)
     _check(plans, runs, singles, min_run)
 
 
@@ -90,7 +90,7 @@ def test_a_run_cut_from_one_view_gives_the_same_tensors_as_one_as_strided_each()
     torch = pytest.importorskip("torch")
     plans = _moe_plans(layers=2, experts=16)
     base = torch.arange(max(p[1][2] for p in plans) + 4096, dtype=torch.float32).to(torch.bfloat16)
-    runs, _ = _stack_runs(plans)
+    runs, _ = stack_runs(plans)
     assert runs
     for key, shape, strides, first, delta, idx in runs:
         cut = base.as_strided((len(idx), *shape), (delta, *strides), first).unbind(0)
@@ -101,15 +101,15 @@ def test_a_run_cut_from_one_view_gives_the_same_tensors_as_one_as_strided_each()
 
 
 def _cpu_batch(torch: Any, layout: Any, plans: list[Any]) -> tuple[Any, list[Any]]:
-    """``_BatchViews`` over one CPU tensor per (chunk, dtype) instead of a mapped chunk, and items that
+    """``BatchViews`` over one CPU tensor per (chunk, dtype) instead of a mapped chunk, and items that
     carry only what ``tensors`` reads: their descriptor's view plan and their chunk."""
     from types import SimpleNamespace
 
-    from dmabuf_interop.channel.channel import _BatchViews
+    from dmabuf_interop.channel._torch_views import BatchViews
 
     chunk = torch.arange(max(p[1][2] for p in plans) + 4096, dtype=torch.float32)
 
-    class CpuViews(_BatchViews):
+    class CpuViews(BatchViews):
         def _base(self, chunk_: Any, torch_: Any, dtype: Any, keep: Any) -> Any:
             return chunk.to(dtype)
 
@@ -119,10 +119,10 @@ def _cpu_batch(torch: Any, layout: Any, plans: list[Any]) -> tuple[Any, list[Any
 
 def test_runs_are_cut_outside_grad_mode_from_a_layouts_second_batch_on() -> None:
     torch = pytest.importorskip("torch")
-    from dmabuf_interop.channel.channel import _LayoutViews
+    from dmabuf_interop.channel._torch_views import LayoutViews
 
     plans = _moe_plans(layers=1, experts=16)
-    layout = _LayoutViews()
+    layout = LayoutViews()
     with torch.no_grad():
         first = _cpu_batch(torch, layout, plans)
         one = first[0].tensors(first[1], torch)
@@ -139,10 +139,10 @@ def test_runs_are_cut_outside_grad_mode_from_a_layouts_second_batch_on() -> None
 
 def test_in_grad_mode_each_item_may_be_written_in_place_with_an_operand_that_requires_grad() -> None:
     torch = pytest.importorskip("torch")
-    from dmabuf_interop.channel.channel import _LayoutViews
+    from dmabuf_interop.channel._torch_views import LayoutViews
 
     plans = _moe_plans(layers=1, experts=16)
-    layout = _LayoutViews()
+    layout = LayoutViews()
     for _ in range(2):
         views, items = _cpu_batch(torch, layout, plans)
         got = views.tensors(items, torch)

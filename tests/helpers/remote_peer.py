@@ -102,7 +102,7 @@ def main() -> int:
                 lease.wait(60)
             reasons = sorted({lease.reason for lease in leases})
             ch.close()
-            registered = len(ch._agent.registered)
+            registered = len(ch._nixl.agent.registered)
         elif mode == "producer-stream":
             i = 0
             while True:
@@ -117,7 +117,7 @@ def main() -> int:
                 lease.wait(60)
             done_at = time.time()
             reasons = sorted({lease.reason for lease in leases})
-            registered = len(ch._agent.registered)
+            registered = len(ch._nixl.agent.registered)
             print(json.dumps({"done_at": done_at, "reasons": reasons, "registered": registered}), flush=True)
             ch.close()
             return 0
@@ -146,7 +146,7 @@ def main() -> int:
         transport = dict(ch.transport)
         grew = open_fds() - steady - (len(pool._chunks) - chunks)  # a new pool chunk holds its exported fd
         ch.close()
-        registered = len(ch._agent.registered)
+        registered = len(ch._nixl.agent.registered)
         pool.close()
         del ch, pool, r, a
         gc.collect()
@@ -169,7 +169,7 @@ def main() -> int:
                 continue
             good += meta == {"i": i, "sha256": digest(want)} and digest(out) == digest(want)
         ch.close()
-        registered = len(ch._agent.registered)
+        registered = len(ch._nixl.agent.registered)
         del ch
         gc.collect()
         print(json.dumps({"good": good, "refused": refused, "n": n, "registered": registered,

@@ -25,9 +25,12 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from .._time import deadline_after, remaining
 from ..errors import InvalidArgumentError, PoolExhaustedError
+from .arrays import DeviceView, HostView, c_strides, device_index, numpy_dtype
+from .events import EventPool
 from .protocol import BLOCK_ALIGN, DTYPES
 
-__all__ = ["ALIGN", "SharedPool", "Block", "DeviceView", "EventPool"]
+# DeviceView, HostView, EventPool, numpy_dtype and c_strides live in .arrays and .events; named here too.
+__all__ = ["ALIGN", "SharedPool", "Block", "DeviceView", "EventPool", "HostView", "c_strides", "numpy_dtype"]
 
 #: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
 ALIGN = BLOCK_ALIGN
@@ -147,173 +150,6 @@ class Block:
         return f"<Block chunk={self.chunk.id} offset={self.offset} size={self.size} refs={self.refs}>"
 
 
-class EventPool:
-    """Interprocess CUDA events of one device, reused from send to send.
-
-    ``cuEventCreate(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)`` and
-    ``cuIpcGetEventHandle`` happen once per event; a lease gives its event back
-    when the peer has released it (the peer's wait on it is queued by then).
-    """
-
-    def __init__(self, device: int | None) -> None:
-        self.device = device
-        self._lock = threading.Lock()
-        self._free: list[tuple[Any, bytes]] = []
-        self.all: list[Any] = []  # every event made, destroyed by destroy()
-
-    def take(self) -> tuple[Any, bytes]:
-        """A free ``(CUevent, 64-byte IPC handle)``; made in ``device``'s primary context when none is free.
-
-        Raises:
-            CudaError: ``cuEventCreate`` or ``cuIpcGetEventHandle`` failed.
-        """
-        from .. import _driver as driver
-
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        driver.set_current(self.device)
-        ev = driver.event_create_interprocess()
-        pair = (ev, driver.ipc_get_event_handle(ev))
-        with self._lock:
-            self.all.append(ev)
-        return pair
-
-    def give(self, pair: tuple[Any, bytes]) -> None:
-        with self._lock:
-            self._free.append(pair)
-
-    @staticmethod
-    def destroy(events: list[Any], device: int | None) -> None:
-        """``cuEventDestroy`` each of ``events`` (an :attr:`all` list), ignoring failures: used at close."""
-        if not events:
-            return
-        from .. import _driver as driver
-
-        for ev in events:
-            try:
-                driver.set_current(device)
-                driver.event_destroy(ev)
-            except Exception:  # noqa: BLE001 - destroying everything matters more than the first error
-                pass
-        events.clear()
-
-
-class HostView:
-    """A NumPy-consumable object (``__array_interface__``) over host bytes that keeps their owners alive.
-
-    ``np.asarray(view)`` and every view of that array hold this object as their
-    ``base``, so the owners in ``keep`` (a mapping's memoryview, a Block's
-    holder, a Received) live exactly as long as some array uses the bytes.
-    """
-
-    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, keep: tuple) -> None:
-        self.__array_interface__ = {"version": 3, "data": (ptr, False), "shape": tuple(shape),
-                                    "strides": tuple(strides), "typestr": typestr}
-        self.keep = keep
-
-
-class DeviceView:
-    """A device array over mapped memory, zero-copy: its address, shape, strides and dtype, and a
-    DLPack producer (``torch.from_dlpack``, ``cupy.from_dlpack``). It keeps the owners in ``keep``
-    alive (for a :class:`~.channel.Received`: the Received, so its lease, and the chunk's mapping),
-    and so does anything made from it. Its contents are valid until the Received is released.
-
-    cuda.core's ``Buffer`` and ``StridedMemoryView`` behind the DLPack export are built on first use
-    (:meth:`memory_view`), not here: in a process that has just woken up they cost tens of µs, and
-    a consumer that only needs :attr:`ptr` (a kernel argument) never pays for them. Making the view
-    calls no driver function. It has no ``__cuda_array_interface__``: that names no device, and a
-    consumer would ask the driver, which answers with the GPU that holds the memory, not the one
-    the mapping is accessible from.
-
-    Attributes:
-        ptr: ``CUdeviceptr`` of the first element: a 256-byte aligned block plus the array's byte
-            offset, so aligned to the itemsize.
-        shape: elements per dimension.
-        strides: strides in elements, as ``StridedMemoryView.strides`` (not bytes).
-        dtype: the ``numpy.dtype`` of the elements (bfloat16, which NumPy lacks, as uint16).
-        device_id: the CUDA ordinal the mapping is accessible from (``__dlpack_device__``).
-        is_device_accessible: True. readonly: False.
-    """
-
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device_id", "_nbytes", "_keep", "_view", "_wire_dtype")
-
-    is_device_accessible = True
-    readonly = False
-
-    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, device: int,
-                 nbytes: int, keep: tuple, wire_dtype: str) -> None:
-        self.ptr = ptr
-        self.shape = shape
-        self.strides = strides
-        self.dtype = dtype
-        self.device_id = device
-        self._nbytes = nbytes  # from ptr to one past the last byte the layout touches (>= 1)
-        self._keep = keep
-        self._view: Any = None
-        self._wire_dtype = wire_dtype  # the sender's dtype name (bfloat16 stays bfloat16 when sent on)
-
-    def memory_view(self) -> Any:
-        """The ``cuda.core.utils.StridedMemoryView`` of this array, made once; it keeps the same owners.
-
-        Makes the primary context of :attr:`device_id` current (``cuCtxGetCurrent``, and on a thread's
-        first use ``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``) for its default stream.
-
-        Raises:
-            CudaError: no context could be made current on :attr:`device_id`.
-            NoDriverError: no CUDA driver in this process.
-            ForkedAfterInitError: this process was forked after CUDA was initialised.
-        """
-        view = self._view
-        if view is None:
-            from cuda.core.utils import StridedMemoryView
-
-            from ..buffers import mapped_buffer
-
-            # Its owner is the keep tuple, not this object: no reference cycle to delay a release.
-            buf = mapped_buffer(self.ptr, self._nbytes, self.device_id, self._keep)
-            view = self._view = StridedMemoryView.from_buffer(buf, self.shape, self.strides, dtype=self.dtype)
-        return view
-
-    def __dlpack__(self, **kwargs: Any) -> Any:
-        """A DLPack capsule (``StridedMemoryView.__dlpack__``, given the caller's keyword arguments:
-        ``stream``, ``max_version``, ``dl_device``, ``copy``). Raises what it raises: ``BufferError``,
-        ``CudaError``, and those of :meth:`memory_view`."""
-        return self.memory_view().__dlpack__(**kwargs)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        """``(kDLCUDA, device_id)``: DLPack's device type 2 and the GPU the mapping is accessible from."""
-        return (2, self.device_id)
-
-    def __repr__(self) -> str:
-        return f"<DeviceView {self.dtype}{list(self.shape)} at {self.ptr:#x} on GPU {self.device_id}>"
-
-
-def numpy_dtype(name: str) -> Any:
-    """The NumPy dtype for a wire dtype name; ``bfloat16`` needs ``ml_dtypes``.
-
-    Raises:
-        InvalidArgumentError: bfloat16 without ``ml_dtypes`` (use ``as_tensor`` instead).
-    """
-    import numpy as np
-
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise InvalidArgumentError("NumPy has no bfloat16: install ml_dtypes, or use as_tensor()") from exc
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    out, acc = [], itemsize
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
-
-
 class SharedPool:
     """Memory exported once and lent out block by block over channels.
 
@@ -333,10 +169,7 @@ class SharedPool:
 
     def __init__(self, device: int | str | None = None, *, chunk_bytes: int = 64 << 20,
                  max_bytes: int = 1 << 30) -> None:
-        if device == "host":
-            device = None
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
-            raise InvalidArgumentError(f"device must be None, 'host' or a CUDA ordinal, got {device!r}")
+        device = device_index(device, default="host")
         for name, v in (("chunk_bytes", chunk_bytes), ("max_bytes", max_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of bytes, got {v!r}")

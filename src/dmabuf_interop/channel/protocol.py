@@ -32,6 +32,9 @@ __all__ = [
     "ORDERINGS",
     "ArrayDescriptor",
     "parse_message",
+    "parse_region",
+    "parse_nixl",
+    "MAX_METADATA_BYTES",
     "host_boot_id",
     "visible_gpu_uuids",
 ]
@@ -55,6 +58,8 @@ MAX_SINGLE_LAYOUTS = 256
 MAX_PARTS = 253
 #: Largest int accepted in any size, offset, id or stride (2**62: far beyond any pool, below int64).
 MAX_INT = 1 << 62
+#: Largest NIXL metadata blob accepted from a peer (``nixl`` and ``region`` messages of ``tcp://`` channels), bytes.
+MAX_METADATA_BYTES = 1 << 20
 #: Every block starts at a multiple of this many bytes of its chunk (``pool.ALIGN`` is this value).
 BLOCK_ALIGN = 256
 
@@ -402,6 +407,50 @@ def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     else:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return kind, []
+
+
+# --- tcp:// messages (NIXL) ---------------------------------------------------------
+
+def _b64_field(msg: dict[str, Any], key: str, limit: int) -> bytes:
+    v = msg.get(key)
+    if not isinstance(v, str) or len(v) > 4 * limit // 3 + 4:
+        raise ProtocolError(f"field {key!r} must be base64 of at most {limit} bytes")
+    try:
+        return base64.b64decode(v, validate=True)
+    except ValueError as exc:  # (binascii.Error is a ValueError)
+        raise ProtocolError(f"field {key!r} is not base64: {exc}") from exc
+
+
+def parse_region(msg: dict[str, Any]) -> bytes:
+    """Validate a ``region`` message (a producer chunk registered with NIXL, on ``tcp://`` channels):
+    ``chunk`` (>= 1), ``addr``, ``size`` (>= 1), ``device`` (0..65536), ``mem`` (``"DRAM"`` or
+    ``"VRAM"``), ``metadata`` (base64 of at most :data:`MAX_METADATA_BYTES`). Returns the metadata's bytes.
+
+    Raises:
+        ProtocolError: any malformed field.
+    """
+    _keys(msg, {"kind", "chunk", "addr", "size", "device", "mem", "metadata"}, "region message")
+    _int(msg, "chunk", 1)
+    _int(msg, "addr")
+    _int(msg, "size", 1)
+    _int(msg, "device", 0, 1 << 16)
+    if msg["mem"] not in ("DRAM", "VRAM"):
+        raise ProtocolError(f"region memory type must be DRAM or VRAM, got {msg['mem']!r}")
+    return _b64_field(msg, "metadata", MAX_METADATA_BYTES)
+
+
+def parse_nixl(msg: dict[str, Any], own_agent: str) -> bytes:
+    """Validate the ``nixl`` handshake message of a ``tcp://`` channel (``agent``: a name of 1 to 256
+    characters, not ``own_agent``; ``metadata``: base64 of at most :data:`MAX_METADATA_BYTES`).
+    Returns the metadata's bytes.
+
+    Raises:
+        ProtocolError: any malformed field.
+    """
+    _keys(msg, {"kind", "agent", "metadata"}, "nixl message")
+    if not isinstance(msg["agent"], str) or not 0 < len(msg["agent"]) <= 256 or msg["agent"] == own_agent:
+        raise ProtocolError("nixl message: agent must be a name of 1 to 256 characters, not ours")
+    return _b64_field(msg, "metadata", MAX_METADATA_BYTES)
 
 
 # --- identity -----------------------------------------------------------------------

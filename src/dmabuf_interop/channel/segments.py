@@ -39,7 +39,8 @@ from .. import _driver as driver
 from ..errors import CudaError, InvalidArgumentError
 from ..fd import OwnedFd
 from ..mechanisms.posix_fd import vmm_pages
-from .pool import EventPool, chunk_ids
+from .events import EventPool
+from .pool import chunk_ids
 from .protocol import MAX_PARTS
 
 __all__ = ["release_segments", "MAX_SEGMENT_CHUNKS"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._time import deadline_after
 from ..errors import InvalidArgumentError
-from ..fdpass import FrameReader, _family, _recv_framed, _send_all, encode_message, recv_message, send_message
+from ..fdpass import FrameReader, _family, _send_all, encode_message, recv_message, send_message
 from .protocol import MAX_PARTS
 
 __all__ = ["MAX_FRAME", "send_frame", "recv_frame", "frame_reader", "shut_down"]
@@ -54,7 +54,8 @@ def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, An
     """
     if _family(sock) == socket.AF_UNIX:
         return recv_message(sock, timeout, max_fds=MAX_PARTS, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
-    return _recv_framed(_tcp(sock), deadline_after(timeout), 0, MAX_FRAME, REST_TIMEOUT)
+    # One message and nothing of the next (bufsize=0): the socket may be handed to a buffered reader after.
+    return FrameReader(_tcp(sock), max_fds=0, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT, bufsize=0).read(timeout)
 
 
 def frame_reader(sock: socket.socket) -> FrameReader:

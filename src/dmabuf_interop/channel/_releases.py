@@ -1,0 +1,101 @@
+"""The importer's releases: a lease released here goes out at once in the caller's thread, or gathered
+with others of its burst by a flusher thread (see Note [channel threads and fork] in :mod:`.channel`).
+
+Measured and load-bearing: a release that goes out inline when none went out within :data:`RELEASE_GAP`
+reaches the exporter before its next send, not during it; a busy consumer's releases gather
+(:data:`RELEASE_BATCH` at a time, or within :data:`RELEASE_DELAY`) into one ``release`` message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..errors import DmaBufError
+
+__all__ = ["ReleaseQueue", "RELEASE_DELAY", "RELEASE_GAP", "RELEASE_BATCH"]
+
+#: How long a released block may wait to be batched with others before its ``release`` message goes out, seconds.
+RELEASE_DELAY = 0.002
+#: A release this long after the last ``release`` message goes out at once, in the caller's thread, seconds.
+RELEASE_GAP = 0.0002
+#: This many releases waiting go out at once, in the caller's thread (a busy consumer's batch).
+RELEASE_BATCH = 16
+
+
+class ReleaseQueue:
+    """The releases of one channel waiting to go out, and the flusher thread that sends them.
+
+    Args:
+        link: the channel's :class:`._link.Link` (its writer, whose lock is the send lock).
+        cond: the channel's state lock, under which ``pending`` changes.
+        proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
+    """
+
+    def __init__(self, link: Any, cond: threading.Condition, proto: Any) -> None:
+        self._link = link
+        self._cond = cond
+        self._send_lock = link.lock
+        self._proto = proto
+        self.pending: list[int] = []  # lease ids (changed under cond)
+        self._last_flush = 0.0  # time.monotonic() of the last release message
+        self._flusher: threading.Thread | None = None
+        # The flusher has its own wake-up, so that it never competes with recv() for the GIL when an array arrives.
+        self._wake = threading.Event()
+
+    def add(self, lease_id: int, *, inline: bool = False) -> None:
+        """Send the release of ``lease_id``: with ``inline``, now, in the caller's thread, when no
+        release went out within :data:`RELEASE_GAP` (so the exporter reads it before its next send,
+        not during it) or :data:`RELEASE_BATCH` are waiting; otherwise the flusher thread sends it
+        with the others of its burst, within :data:`RELEASE_DELAY`, or ``recv`` does when it is
+        about to wait and nothing has arrived."""
+        with self._cond:
+            if self._proto.over:
+                return
+            self.pending.append(lease_id)
+            n = len(self.pending)
+            inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
+        # Non-blocking: while another thread sends, the flusher takes this one.
+        if inline and self._send_lock.acquire(blocking=False):
+            try:
+                self.flush(send_lock_held=True)
+            finally:
+                self._send_lock.release()
+            return
+        with self._cond:
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",
+                                                 daemon=True)
+                self._flusher.start()
+        self._wake.set()
+
+    def flush(self, *, send_lock_held: bool = False, timeout: float | None = None) -> None:
+        """Send every pending release now, in one message (essential: one the peer took none of ends the
+        connection). A connection that has ended releases everything on the peer's side anyway."""
+        with self._cond:
+            ids, self.pending = self.pending, []
+            if ids:
+                self._last_flush = time.monotonic()
+        if ids:
+            msg = {"kind": "release", "leases": ids}
+            try:
+                if send_lock_held:
+                    self._link.send_locked(msg, timeout=timeout, essential=True)
+                else:
+                    self._link.send(msg, essential=True)
+            except (DmaBufError, OSError):
+                pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
+
+    def wake(self) -> None:
+        """Wake the flusher (it exits once the connection is over)."""
+        self._wake.set()
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # a release after this is flushed below or wakes us again
+            if self._proto.over:
+                return
+            time.sleep(RELEASE_DELAY)  # let a burst of releases share one message
+            self.flush()

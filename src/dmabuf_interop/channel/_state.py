@@ -1,0 +1,529 @@
+"""The channel protocol's state, sans-I/O: parsed messages in, events out, every state-dependent rule.
+
+:class:`ConnectionState` is one end of one connection as the protocol sees it,
+and nothing else: no socket, lock, thread, CUDA or ``/proc``. It holds
+
+* the phase (:class:`Phase`: handshake, open, closing, ended) and why the connection ended
+  (:class:`EndReason`, and the first error);
+* what this end lent: the chunks the peer has been told of, the layouts defined to it
+  (batches' and single arrays', each first in, first out), the leases out (``id -> token``,
+  the token being whatever the I/O side wants back when the lease completes);
+* what this end holds of the peer's: its chunks as facts (:class:`ChunkFact`: id, size, host or
+  device; never an import), its layouts (:class:`Layout`: validated descriptors and the very chunk
+  facts they lie in), the peer's leases held here.
+
+:meth:`ConnectionState.receive` takes one message that :func:`.protocol.parse_message` (or
+:func:`.protocol.parse_region`) accepted and returns what it means as events
+(:class:`ChunkAnnounced`, :class:`ChunkRetired`, :class:`ArraysArrived`, :class:`EmptyBatch`,
+:class:`LayoutForgotten`, :class:`LeasesReleased`, :class:`HelloReceived`, :class:`PeerClosed`,
+:class:`PeerRefused`); a message that breaks a rule raises :class:`~..errors.ProtocolError` and
+ends the connection (:attr:`ConnectionState.end_reason` is then ``PROTOCOL_ERROR``). The sending
+side asks :meth:`ConnectionState.choose_layout` whether a placement defines a layout or repeats
+one, and reports a definition that went out with :meth:`ConnectionState.layout_sent`.
+
+Not thread-safe: its owner serialises the calls on each half. The channel makes the calls about what it
+lends (``is_announced``, ``chunk_announced``, ``retire_chunk``, ``choose_layout``, ``layout_sent``,
+``send_failed``) under its send lock, and every other call under its state lock (see Note [channel
+threads and fork] in :mod:`.channel`). The I/O side keeps its ``id -> object``
+maps (imported chunks, what a layout's tensors share) in step from the events. The golden
+vectors in ``spec/vectors/`` drive this class; ``spec/vectors/README.md`` describes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from ..errors import PeerClosedError, PeerRefusedError, ProtocolError
+from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescriptor, parse_message, parse_region
+
+__all__ = [
+    "Phase", "EndReason", "ChunkFact", "Layout", "LayoutChoice", "ConnectionState",
+    "HelloReceived", "ChunkAnnounced", "ChunkRetired", "ArraysArrived", "EmptyBatch", "LayoutForgotten",
+    "LeasesReleased", "PeerClosed", "PeerRefused", "MAX_CHUNKS",
+]
+
+#: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
+MAX_CHUNKS = 4096
+
+
+class Phase(enum.Enum):
+    """Where the connection is. ``HANDSHAKE``: before the peer's ``hello``; ``OPEN``; ``CLOSING``: this
+    end closed (arrays that still arrive are dropped; the peer releases everything at the end);
+    ``ENDED``: the connection is over, for :attr:`ConnectionState.end_reason`."""
+
+    HANDSHAKE = "handshake"
+    OPEN = "open"
+    CLOSING = "closing"
+    ENDED = "ended"
+
+
+class EndReason(enum.Enum):
+    """Why the connection ended: the peer said ``bye`` or went (EOF), the peer refused us, the peer broke
+    the protocol, this process failed (a send cut off part-way, an import that failed here, a bug),
+    or this end closed it."""
+
+    PEER_CLOSED = "peer-closed"
+    PEER_REFUSED = "peer-refused"
+    PROTOCOL_ERROR = "protocol-error"
+    LOCAL_ERROR = "local-error"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ChunkFact:
+    """A peer chunk as the protocol knows it. Compared by identity: an id retired and announced again
+    is another chunk (a layout defined over the first must not be repeated over the second)."""
+
+    id: int
+    size: int
+    host: bool
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Layout:
+    """A layout the peer defined: its validated descriptors, ``mapping`` (``True``/``False`` for a
+    batch, ``None`` for one array) and the chunks they lie in, by id."""
+
+    id: int
+    descs: list[ArrayDescriptor]
+    mapping: bool | None
+    chunks: dict[int, ChunkFact]
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutChoice:
+    """:meth:`ConnectionState.choose_layout`'s answer: ``define`` the layout ``id`` (an ``array`` or
+    ``arrays`` message with a ``layout`` field), or send a ``repeat`` of it."""
+
+    id: int
+    define: bool
+    key: Hashable
+    single: bool
+
+
+# --- events ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    """The peer's ``hello`` (checked by :func:`.protocol.parse_message`); the connection is open."""
+
+    hello: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkAnnounced:
+    """The peer announced a chunk (``chunk`` with its fds, or ``region`` on ``tcp://``): import it.
+    ``msg`` is the validated message (mechanism, parts, device UUID, or NIXL address and metadata)."""
+
+    chunk: ChunkFact
+    msg: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRetired:
+    """The peer retired chunk ``chunk_id``: unmap it once nothing here uses it."""
+
+    chunk_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArraysArrived:
+    """The peer lent arrays under ``lease`` (now held here until released).
+
+    ``kind``: ``"array"`` (one array: :meth:`Channel.recv`) or ``"arrays"`` (a batch); a repeat of a single
+    array's layout arrives as ``"array"``. ``mapping``: the batch is by name. ``ordering``: a repeat's
+    ordering (its descriptors keep their first), else ``None``. ``chunks``: the chunk ids the descriptors
+    name. ``layout``: the layout the message defined or repeated, else ``None``."""
+
+    kind: str
+    lease: int
+    descs: list[ArrayDescriptor]
+    mapping: bool
+    ordering: str | None
+    chunks: tuple[int, ...]
+    layout: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyBatch:
+    """The peer lent an empty batch under ``lease``: nothing to hold, release it at once."""
+
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutForgotten:
+    """The peer's layout ``layout`` fell out of the table (first in, first out), as the peer forgot it."""
+
+    layout: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesReleased:
+    """The peer released these leases of ours; ``tokens`` are what :meth:`ConnectionState.lend` was given."""
+
+    leases: tuple[int, ...]
+    tokens: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerClosed:
+    """The peer said ``bye``: the connection is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefused:
+    """The peer refused this connection, for ``reason``: the connection is over."""
+
+    reason: str
+
+
+Event = Any  # one of the event classes above
+
+
+class ConnectionState:
+    """One end of a channel connection, sans-I/O (see the module docstring).
+
+    Args:
+        transport: ``"fd"`` (AF_UNIX: chunks are ``chunk`` messages with their fds) or ``"nixl"``
+            (``tcp://``: chunks are ``region`` messages; no fd rides).
+        phase: where to start: ``Phase.OPEN`` (the handshake is done) or ``Phase.HANDSHAKE``.
+        max_chunks: most peer chunks known at once.
+        max_layouts, max_single_layouts: layouts each end remembers, batches' and single arrays'.
+    """
+
+    def __init__(self, transport: str = "fd", *, phase: Phase = Phase.OPEN, max_chunks: int = MAX_CHUNKS,
+                 max_layouts: int = MAX_LAYOUTS, max_single_layouts: int = MAX_SINGLE_LAYOUTS) -> None:
+        if transport not in ("fd", "nixl"):
+            raise ValueError(f"transport must be 'fd' or 'nixl', got {transport!r}")
+        self.transport = transport
+        self.phase = phase
+        self.end_reason: EndReason | None = None
+        #: The first cause of the end (or of a send that broke the stream), if any.
+        self.error: BaseException | None = None
+        #: This end closed (whether or not the connection had ended before).
+        self.closed_here = False
+        #: A message to the peer was cut off part-way: nothing more may go out.
+        self.send_broken = False
+        self.max_chunks = max_chunks
+        self.max_layouts = max_layouts
+        self.max_single_layouts = max_single_layouts
+        # What this end lent.
+        self._announced: set[int] = set()
+        self._layouts_sent: dict[Hashable, int] = {}
+        self._single_layouts_sent: dict[Hashable, int] = {}
+        self._layout_ids = itertools.count(1)
+        self._lent: dict[int, Any] = {}
+        # What this end holds of the peer's.
+        self._chunks: dict[int, ChunkFact] = {}
+        self._layouts: dict[int, Layout] = {}
+        self._single_layouts: dict[int, Layout] = {}
+        self._held: set[int] = set()
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def ended(self) -> bool:
+        """The connection is over (either end)."""
+        return self.phase is Phase.ENDED
+
+    @property
+    def over(self) -> bool:
+        """Closed here or ended: nothing more goes out, no release is due."""
+        return self.phase is Phase.ENDED or self.closed_here
+
+    @property
+    def can_send(self) -> bool:
+        return not (self.phase is Phase.ENDED or self.closed_here or self.send_broken)
+
+    def close(self) -> None:
+        """This end closes: arrays that arrive from now on are dropped (the peer releases its leases
+        when the connection ends)."""
+        self.closed_here = True
+        if self.phase is not Phase.ENDED:
+            self.phase = Phase.CLOSING
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep ``exc`` as the first cause of the end (a later one, such as our own shutdown seen as an
+        end of file, says less)."""
+        if self.error is None:
+            self.error = exc
+
+    def send_failed(self, exc: BaseException) -> None:
+        """A message to the peer was cut off part-way, or an essential one could not go: the stream is
+        out of step for good; the connection ends (:meth:`end`) as soon as the I/O side sees it."""
+        self.fail(exc)
+        self.send_broken = True
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        """The phase is ``ENDED`` now, for ``exc`` (the first cause kept); the tables wait for :meth:`end`."""
+        if exc is not None:
+            self.fail(exc)
+        if self.end_reason is None:
+            self.end_reason = self._reason_for(self.error)
+        self.phase = Phase.ENDED
+
+    def end(self) -> list[Any]:
+        """The connection is over: returns the tokens of the leases still lent (they complete now), and
+        forgets the peer's chunks, layouts and held leases (the I/O side unmaps what nothing uses).
+        Idempotent: a second call returns ``[]``."""
+        self._finish()
+        tokens = list(self._lent.values())
+        self._lent.clear()
+        self._chunks.clear()
+        self._layouts.clear()
+        self._single_layouts.clear()
+        self._held.clear()
+        return tokens
+
+    def _reason_for(self, err: BaseException | None) -> EndReason:
+        if self.closed_here:
+            return EndReason.CLOSED
+        if err is None or isinstance(err, PeerClosedError):
+            return EndReason.PEER_CLOSED
+        if isinstance(err, PeerRefusedError):
+            return EndReason.PEER_REFUSED
+        if isinstance(err, ProtocolError):
+            return EndReason.PROTOCOL_ERROR
+        return EndReason.LOCAL_ERROR
+
+    # --- what this end lends --------------------------------------------------------------
+
+    def is_announced(self, chunk_id: int) -> bool:
+        return chunk_id in self._announced
+
+    def chunk_announced(self, chunk_id: int) -> None:
+        """The peer has been told of our chunk ``chunk_id`` (its message went out)."""
+        self._announced.add(chunk_id)
+
+    def retire_chunk(self, chunk_id: int) -> bool:
+        """Our chunk ``chunk_id`` is gone; returns whether the peer knew it (a ``retire`` must go out)."""
+        if chunk_id in self._announced:
+            self._announced.discard(chunk_id)
+            return True
+        return False
+
+    def lend(self, lease_id: int, token: Any) -> None:
+        """A lease goes out; ``token`` comes back in :class:`LeasesReleased` or from :meth:`end`."""
+        self._lent[lease_id] = token
+
+    def unlend(self, lease_id: int) -> Any:
+        """The lease's message did not go out: forget it; returns its token (or ``None``)."""
+        return self._lent.pop(lease_id, None)
+
+    @property
+    def lent(self) -> int:
+        """Leases out and not released."""
+        return len(self._lent)
+
+    def lent_ids(self) -> list[int]:
+        """The ids of the leases out, oldest first."""
+        return list(self._lent)
+
+    def choose_layout(self, key: Hashable, single: bool) -> LayoutChoice:
+        """Define a layout for this placement, or repeat the one the peer has for it. ``key`` says
+        everything the peer's descriptors would hold but the ordering, event and meta (names, chunks,
+        blocks, offsets, shapes, strides, dtypes); ``single``: one array (``array``) or a batch
+        (``arrays``). A definition counts only once :meth:`layout_sent` says it went out."""
+        sent = self._single_layouts_sent if single else self._layouts_sent
+        found = sent.get(key)
+        if found is not None:
+            return LayoutChoice(found, False, key, single)
+        return LayoutChoice(next(self._layout_ids), True, key, single)
+
+    def layout_sent(self, choice: LayoutChoice) -> int | None:
+        """The definition ``choice`` went out: the peer knows the layout now. Returns the id of the layout
+        that fell out of the table for it (first in, first out, as the peer forgets the same), or ``None``."""
+        sent, limit = ((self._single_layouts_sent, self.max_single_layouts) if choice.single
+                       else (self._layouts_sent, self.max_layouts))
+        sent[choice.key] = choice.id
+        if len(sent) > limit:
+            return sent.pop(next(iter(sent)))
+        return None
+
+    def layouts_sent(self, single: bool = False) -> list[int]:
+        """The ids of the layouts the peer has from this end, oldest first."""
+        return list((self._single_layouts_sent if single else self._layouts_sent).values())
+
+    # --- what this end holds ----------------------------------------------------------------
+
+    def layouts_held(self, single: bool = False) -> list[int]:
+        """The ids of the peer's layouts known here, oldest first."""
+        return list((self._single_layouts if single else self._layouts).keys())
+
+    def chunk(self, chunk_id: int) -> ChunkFact | None:
+        return self._chunks.get(chunk_id)
+
+    def chunk_ids(self) -> list[int]:
+        """The ids of the peer's chunks known here, in the order they were announced."""
+        return list(self._chunks)
+
+    @property
+    def held(self) -> frozenset[int]:
+        """The peer's leases held here."""
+        return frozenset(self._held)
+
+    def released(self, lease_id: int) -> bool:
+        """Every item of the peer's lease ``lease_id`` was released here; returns whether a ``release``
+        message is due (not once the connection is over: the peer then completes every lease itself)."""
+        self._held.discard(lease_id)
+        return not self.over
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def receive(self, msg: dict[str, Any], nfds: int = 0, descs: list[ArrayDescriptor] | None = None) -> list[Event]:
+        """What one message from the peer means.
+
+        Args:
+            msg: the decoded JSON object (validated here with :func:`.protocol.parse_message`, unless
+                ``descs`` is given: the caller parsed it and these are its descriptors).
+            nfds: the fds that arrived with it (``SCM_RIGHTS``).
+
+        Returns:
+            the events, in order.
+
+        Raises:
+            ProtocolError: the message breaks the protocol, here and now; the connection has ended.
+        """
+        if self.phase is Phase.ENDED:
+            raise ProtocolError(f"a {msg.get('kind')!r} message after the end of the connection")
+        try:
+            return self._receive(msg, nfds, descs)
+        except ProtocolError as exc:
+            self._finish(exc)
+            raise
+
+    def _receive(self, msg: dict[str, Any], nfds: int, descs: list[ArrayDescriptor] | None) -> list[Event]:
+        if self.transport == "nixl":
+            if nfds:
+                raise ProtocolError("a message on a tcp:// channel carried an fd")
+            if isinstance(msg, dict) and msg.get("kind") == "region":
+                return self._region(msg)
+        if descs is None:
+            kind, descs = parse_message(msg)
+        else:
+            kind = msg["kind"]
+        if self.phase is Phase.HANDSHAKE:
+            if kind == "hello":
+                self.phase = Phase.OPEN
+                return [HelloReceived(msg)]
+            if kind != "refuse":
+                raise ProtocolError(f"expected a hello message, got {kind!r}")
+        if nfds and kind != "chunk":
+            raise ProtocolError(f"the peer's {kind!r} message carried an fd")
+        if kind == "chunk":
+            return self._chunk(msg, nfds)
+        if kind == "retire":
+            if self._chunks.pop(msg["chunk"], None) is None:
+                raise ProtocolError(f"retire of unknown chunk {msg['chunk']}")
+            return [ChunkRetired(msg["chunk"])]
+        if kind in ("array", "arrays", "repeat"):
+            return self._arrays(kind, msg, descs)
+        if kind == "release":
+            tokens = []
+            for lid in msg["leases"]:
+                if lid not in self._lent:
+                    raise ProtocolError(f"release of unknown lease {lid}")
+                tokens.append(self._lent.pop(lid))
+            return [LeasesReleased(tuple(msg["leases"]), tuple(tokens))]
+        if kind == "bye":
+            self._finish(PeerClosedError("the peer closed the channel"))
+            return [PeerClosed()]
+        if kind == "refuse":
+            self._finish(PeerRefusedError(f"the peer refused this connection: {msg['reason']}"))
+            return [PeerRefused(msg["reason"])]
+        raise ProtocolError(f"unexpected {kind!r} message after the handshake")
+
+    def _check_new(self, cid: int, what: str) -> None:
+        if cid in self._chunks:
+            raise ProtocolError(f"{what} {cid} announced twice")
+        if len(self._chunks) >= self.max_chunks:
+            raise ProtocolError(f"the peer announced more than {self.max_chunks} {what}s")
+
+    def _new_chunk(self, cid: int, size: int, host: bool) -> ChunkFact:
+        fact = self._chunks[cid] = ChunkFact(cid, size, host)
+        return fact
+
+    def _chunk(self, msg: dict[str, Any], nfds: int) -> list[Event]:
+        if self.transport != "fd":
+            raise ProtocolError("a chunk message on a tcp:// channel, which carries no fd")
+        if nfds != len(msg["parts"]):
+            raise ProtocolError(f"a chunk message of {len(msg['parts'])} part(s) carried {nfds} fd(s)")
+        self._check_new(msg["chunk"], "chunk")
+        host = msg["mechanism"] == "memfd"
+        if host and msg["device_uuid"]:
+            raise ProtocolError("a memfd chunk names a GPU")
+        return [ChunkAnnounced(self._new_chunk(msg["chunk"], msg["size"], host), msg)]
+
+    def _region(self, msg: dict[str, Any]) -> list[Event]:
+        parse_region(msg)
+        self._check_new(msg["chunk"], "region")
+        return [ChunkAnnounced(self._new_chunk(msg["chunk"], msg["size"], msg["mem"] == "DRAM"), msg)]
+
+    def _arrays(self, kind: str, msg: dict[str, Any], descs: list[ArrayDescriptor]) -> list[Event]:
+        lease = msg["lease"]
+        ordering = None
+        layout_id = None
+        events: list[Event] = []
+        if kind == "repeat":
+            found = self._layouts.get(msg["layout"]) or self._single_layouts.get(msg["layout"])
+            if found is None:
+                raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
+            for cid, fact in found.chunks.items():
+                if self._chunks.get(cid) is not fact:
+                    raise ProtocolError(f"repeat of layout {msg['layout']} names chunk {cid}, retired since")
+                if msg["ordering"] == "event" and fact.host:
+                    raise ProtocolError(f"ordering 'event' for host chunk {cid}")
+            descs = found.descs
+            d = descs[0]
+            if not (msg["meta"] is None and d.meta is None and (msg["ordering"], msg["event"]) == (d.ordering, d.event)):
+                # Otherwise as defined (a ring of blocks sent again and again): the frozen descriptors are
+                # shared, never a meta object (whose == would also equate 1, 1.0 and True).
+                first = dataclasses.replace(d, ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
+                descs = [first, *descs[1:]]
+            ordering = msg["ordering"]
+            kind = "array" if found.mapping is None else "arrays"  # a single array's layout arrives as one
+            mapping = bool(found.mapping)
+            chunks = found.chunks
+            layout_id = found.id
+        else:
+            chunks = {}
+            for d in descs:
+                fact = chunks[d.chunk] = self._chunks.get(d.chunk)
+                if fact is None:
+                    raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
+                if d.block_offset + d.block_bytes > fact.size:
+                    raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies "
+                                        f"outside chunk {d.chunk} of {fact.size} bytes")
+                if d.ordering == "event" and fact.host:
+                    raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
+            mapping = kind == "arrays" and msg["mapping"]
+            if "layout" in msg:
+                layout_id = msg["layout"]
+                events += self._define_layout(Layout(layout_id, descs, mapping if kind == "arrays" else None, chunks))
+        if lease in self._held:
+            raise ProtocolError(f"lease {lease} is already held")
+        if descs and self.phase is not Phase.CLOSING:  # (closing: dropped; the peer releases at the end)
+            self._held.add(lease)
+            events.append(ArraysArrived(kind, lease, descs, mapping, ordering, tuple(chunks), layout_id))
+        elif not descs and self.phase is Phase.OPEN:
+            events.append(EmptyBatch(lease))
+        return events
+
+    def _define_layout(self, layout: Layout) -> list[Event]:
+        """Keep a layout the peer defined: a batch's among the last ``max_layouts``, one array's among
+        the last ``max_single_layouts``, first in, first out, as the exporter forgets them."""
+        if layout.id in self._layouts or layout.id in self._single_layouts:
+            raise ProtocolError(f"layout {layout.id} defined twice")
+        kept, limit = ((self._single_layouts, self.max_single_layouts) if layout.mapping is None
+                       else (self._layouts, self.max_layouts))
+        kept[layout.id] = layout
+        if len(kept) > limit:
+            gone = next(iter(kept))
+            del kept[gone]
+            return [LayoutForgotten(gone)]
+        return []

@@ -1,0 +1,101 @@
+"""Leases and peers: a :class:`Lease` is a block (or blocks) lent to the peer until it releases them;
+:class:`PeerInfo` says who the peer is."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .._time import check_timeout
+from ..errors import WaitTimeoutError
+from .pool import Block
+
+__all__ = ["Lease", "PeerInfo", "next_lease_id"]
+
+_lease_ids = itertools.count(1)
+#: A new lease id, unique within the process.
+next_lease_id = _lease_ids.__next__
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """Who is on the other end.
+
+    Attributes:
+        pid, uid, gid: from ``SO_PEERCRED`` (the kernel's word, not the peer's).
+        gpus: GPU UUIDs the peer can see (its ``hello``).
+        library: the peer's dmabuf-interop version.
+    """
+
+    pid: int
+    uid: int
+    gid: int
+    gpus: tuple[str, ...]
+    library: str
+
+
+class Lease:
+    """A block lent to the peer; done once the peer released it (or went away).
+
+    Attributes:
+        id: the lease id on the wire.
+        reason: ``"released"`` (the peer released it), ``"disconnected"`` or ``"closed"``; ``None`` while out.
+    """
+
+    def __init__(self, lease_id: int, blocks: list[Block], event: tuple[Any, bytes] | None,
+                 events: Any = None) -> None:
+        self.id = lease_id
+        self._blocks = blocks
+        self._event = event
+        self._events = events  # the EventPool that ``event`` goes back to
+        # Held while the lease is out; released once on completion. A bare lock, not a
+        # threading.Event: a lease is made per send, and an Event costs a Condition and two locks.
+        self._out = threading.Lock()
+        self._out.acquire()
+        self._completing = threading.Lock()
+        self.reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self._out.locked()
+
+    def wait(self, timeout: float | None = 60.0) -> None:
+        """Wait until the peer has released the block(s).
+
+        Args:
+            timeout: seconds (``None`` or ``math.inf``: forever).
+
+        Raises:
+            WaitTimeoutError: still lent out after ``timeout`` seconds.
+            InvalidArgumentError: ``timeout`` is not a number >= 0 or ``None``.
+        """
+        limit = check_timeout(timeout)
+        if not self._out.locked():
+            return
+        if not self._out.acquire(timeout=-1 if limit is None else limit):
+            raise WaitTimeoutError(f"lease {self.id} still held by the peer after {timeout} s")
+        self._out.release()
+
+    def _complete(self, reason: str) -> None:
+        with self._completing:
+            if self.reason is not None:
+                return
+            self.reason = reason
+        try:
+            blocks = self._blocks
+            pool = blocks[0].pool if blocks else None
+            if blocks and all(b.pool is pool for b in blocks):
+                pool._unref_many(blocks)  # one hold of the pool's lock for a whole state dict
+            else:
+                for b in blocks:
+                    b.pool._unref(b)
+            if self._event is not None:
+                self._events.give(self._event)
+        finally:  # whatever giving back raised, the lease is over
+            self._blocks = []
+            self._out.release()
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.id} {'done: ' + str(self.reason) if self.done else 'out'}>"

@@ -1,0 +1,333 @@
+"""What arrives: :class:`Received` (one array held until released), the :class:`Hold` of one message
+(the peer's lease and the chunks its items lie in), :func:`release_all` and :func:`as_tensors`."""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import InvalidArgumentError, NotSupportedError
+from ._torch_views import BatchViews
+from .arrays import ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype
+from .protocol import ArrayDescriptor
+
+__all__ = ["Received", "Hold", "release_all", "as_tensors"]
+
+_NAME = operator.attrgetter("name")
+_DONE = operator.attrgetter("_done")
+_HOLD = operator.attrgetter("_hold")
+_BATCH = operator.attrgetter("_batch")
+
+
+def _NOBODY() -> None:
+    """A dead channel reference: a hold that owes the peer no release."""
+    return None
+
+
+def _finalize_hold(channel_ref: Any, lease_id: int, chunks: list[Any], inline: bool = False) -> None:
+    ch = channel_ref()
+    if ch is not None:
+        ch._release_lease(lease_id, inline=inline)
+    for chunk in chunks:
+        chunk.release()
+
+
+class Hold:
+    """What the items of one array message hold together: the peer's lease, released once every
+    item is released (or, as a safety net, when the last of them is collected: ``__del__``), and
+    one reference on each chunk they lie in. One per message, so a batch of thousands pays one
+    safety net; ``__del__`` rather than ``weakref.finalize``, which costs a registration per message."""
+
+    __slots__ = ("left", "lock", "alive", "channel", "chunks", "lease_id", "stream", "ordering", "__weakref__")
+
+    def __init__(self, channel: Any, lease_id: int, chunks: list[Any], items: int,
+                 stream: int = 0, ordering: str | None = None, *, owes: bool = True) -> None:
+        self.alive = False  # until the chunk references are taken: __del__ gives back nothing before
+        self.lease_id = lease_id
+        self.stream = stream  # the stream given to recv: made to wait on the event; synchronised by release
+        self.ordering = ordering  # a repeated layout's: its descriptors keep their first ordering
+        self.left = items
+        self.lock = threading.Lock()
+        # The channel's own weakref object: one the hold made would be cleared before __del__ runs
+        # when the hold dies in a reference cycle, and the release would be lost.
+        # ``owes``: the peer's lease is released when the items are (not so for items read into local
+        # blocks over tcp://, whose lease was released right after the READ).
+        self.channel = channel._weak if owes else _NOBODY
+        self.chunks = chunks
+        for chunk in chunks:
+            chunk.retain()
+        self.alive = True
+
+    def release(self, items: "Iterable[Received]") -> None:
+        with self.lock:
+            for r in items:
+                if not r._done:
+                    r._done = True
+                    self.left -= 1
+            last = self.left <= 0 and self.alive
+            if last:
+                self.alive = False
+        if last:  # released by the caller: the release may go out in its thread
+            _finalize_hold(self.channel, self.lease_id, self.chunks, inline=True)
+
+    def __del__(self) -> None:
+        # Collected with items unreleased (possibly inside the garbage collector): the flusher
+        # thread sends the release, nothing blocks here.
+        if self.alive:
+            self.alive = False
+            _finalize_hold(self.channel, self.lease_id, self.chunks)
+
+
+
+class Received:
+    """One array from the peer, held until :meth:`release`, or as a safety net until it and the other
+    items of its ``recv_many`` batch have all been collected (the lease covers the whole batch).
+
+    Attributes:
+        shape: elements per dimension. dtype: the wire dtype name. strides: bytes per dimension.
+        meta: the sender's JSON object or ``None``. name: the key in a ``send_many`` batch or ``None``.
+        ordering: how the producer's writes were ordered: ``"none"`` (host), ``"event"`` or ``"sync"``.
+        device: the importing CUDA ordinal, or ``-1`` for host memory.
+    """
+
+    # Slots, and the other fields read through the descriptor, chunk and hold: a state dict
+    # makes thousands per step.
+    __slots__ = ("descriptor", "_chunk", "_batch", "_hold", "_done", "__weakref__")
+
+    def __init__(self, hold: Hold, desc: ArrayDescriptor, chunk: Any) -> None:
+        self.descriptor = desc
+        self._chunk = chunk
+        self._batch: BatchViews | None = None
+        self._hold = hold  # the chunk stays mapped, and the lease held, while this lives
+        self._done = False
+
+    @property
+    def lease_id(self) -> int:
+        return self._hold.lease_id
+
+    @property
+    def ordering(self) -> str:
+        return self._hold.ordering or self.descriptor.ordering
+
+    @property
+    def device(self) -> int:
+        return self._chunk.device
+
+    @property
+    def _stream(self) -> int:
+        return self._hold.stream
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.descriptor.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.descriptor.dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self.descriptor.strides
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return self.descriptor.meta
+
+    @property
+    def name(self) -> str | None:
+        return self.descriptor.name
+
+    @property
+    def _ptr(self) -> int:
+        d = self.descriptor
+        return self._chunk.buf.ptr + d.block_offset + d.byte_offset
+
+    @property
+    def released(self) -> bool:
+        return self._done or not self._hold.alive
+
+    def _check(self) -> None:
+        if self._done or not self._hold.alive:
+            raise InvalidArgumentError("this Received was released; its block may already hold other data")
+
+    def as_array(self) -> Any:
+        """The array, zero-copy.
+
+        Returns:
+            host: a writable NumPy array over the shared pages (bfloat16 needs ``ml_dtypes``);
+            device: a :class:`.pool.DeviceView`: ``ptr``, ``shape``, ``strides`` (elements),
+            ``dtype`` (bfloat16 as uint16), a DLPack producer; ``memory_view()`` gives cuda.core's
+            ``StridedMemoryView``. Making it calls no driver function. Either keeps this Received
+            alive while it lives; its contents are valid until :meth:`release`.
+
+        Raises:
+            InvalidArgumentError: already released; bfloat16 on the host without ``ml_dtypes``.
+        """
+        self._check()
+        d = self.descriptor
+        if self.device < 0:
+            return self._host_view(numpy_dtype(d.dtype).str)
+        return self._device_view(device_dtype(d.dtype))
+
+    def _host_view(self, typestr: str) -> Any:
+        import numpy as np
+
+        d = self.descriptor
+        keep = (self, ChunkRef(self._chunk), self._chunk.buf._mapping.map)
+        return np.asarray(HostView(self._ptr, d.shape, d.strides, typestr, keep))
+
+    def _device_view(self, dt: Any) -> DeviceView:
+        d = self.descriptor
+        return DeviceView(self._ptr, d.shape, d.elements[1], dt, self.device, d.span, (self, ChunkRef(self._chunk)),
+                          d.dtype)
+
+    def as_tensor(self) -> Any:
+        """A ``torch.Tensor`` over the block (``torch.from_dlpack`` / ``torch.from_numpy``; torch imported here).
+
+        bfloat16 arrives as ``torch.bfloat16`` (read as int16 and re-viewed). For the items of a
+        device ``recv_many`` batch, each chunk is imported into torch once (``torch.from_dlpack``)
+        and every item's tensor is a ``torch.as_strided`` view of it: while any such tensor lives,
+        every item of the batch whose tensor was taken stays held (its safety-net release waits).
+
+        Raises:
+            InvalidArgumentError: already released.
+            NotSupportedError: torch is not installed.
+        """
+        self._check()
+        torch = _require("torch")
+        d = self.descriptor
+        if self._batch is not None and self.device >= 0:
+            return self._batch.tensor(self, torch, getattr(torch, d.dtype))
+        if d.dtype == "bfloat16":
+            if self.device < 0:
+                return torch.from_numpy(self._host_view("<i2")).view(torch.bfloat16)
+            return torch.from_dlpack(self._device_view(device_dtype("int16")).memory_view()).view(torch.bfloat16)
+        if self.device < 0:
+            return torch.from_numpy(self.as_array())
+        return torch.from_dlpack(self.as_array().memory_view())
+
+    def as_cupy(self) -> Any:
+        """A ``cupy.ndarray`` over the block (``cupy.from_dlpack``; device pools only).
+
+        Raises:
+            InvalidArgumentError: the array is in host memory.
+            NotSupportedError: CuPy is not installed.
+        """
+        if self.device < 0:
+            raise InvalidArgumentError("this array is in host memory: use as_array() (NumPy)")
+        cupy = _require("cupy")
+
+        return cupy.from_dlpack(self.as_array().memory_view())
+
+    def release(self, *, synchronize: bool = True) -> None:
+        """Give the block back to the producer (idempotent). The lease is released when every item
+        of its message was; the ``release`` message goes out at once, or with its burst within
+        :data:``RELEASE_DELAY`` (:mod:`.channel`).
+
+        For device memory the stream given to ``recv`` is synchronised first
+        (``cuStreamSynchronize``), so work queued on it that reads the block is done;
+        ``synchronize=False`` skips that, for a caller that has synchronised already
+        (:func:`release_all` does it once for many).
+        """
+        if self.released:
+            return
+        if synchronize and self.device >= 0 and self._stream is not None:
+            from .. import _driver as driver
+
+            driver.set_current(self.device)
+            driver.stream_synchronize(self._stream)
+        self._hold.release((self,))
+
+    def __enter__(self) -> "Received":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Received {self.dtype}{list(self.shape)} lease={self.lease_id} {state}>"
+
+
+
+def _require(module: str) -> Any:
+    """Import ``module`` (torch, CuPy) for a view, or say it is missing.
+
+    Raises:
+        NotSupportedError: it is not installed.
+    """
+    found = sys.modules.get(module)
+    if found is not None:
+        return found
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise NotSupportedError(f"{module} is not installed ({exc}): use as_array() (DLPack / NumPy)") from exc
+
+
+def release_all(items: Mapping[str, Received] | Iterable[Received]) -> None:
+    """Release many :class:`Received` (a ``recv_many`` batch: its dict, or its list, or any iterable
+    of them): each distinct (device, stream) is synchronised once (``cuStreamSynchronize``), not once
+    per item.
+
+    Raises:
+        InvalidArgumentError: an item is not a Received.
+    """
+    items = list(items.values() if isinstance(items, Mapping) else items)
+    bad = next((r for r in items if not isinstance(r, Received)), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"release_all takes Received objects, got {type(bad).__name__}")
+    synced: set[tuple[int, int]] = set()
+    for r in items:
+        if r.device >= 0 and r._stream is not None and not r.released and (r.device, r._stream) not in synced:
+            from .. import _driver as driver
+
+            driver.set_current(r.device)
+            driver.stream_synchronize(r._stream)
+            synced.add((r.device, r._stream))
+    holds: dict[int, tuple[Hold, list[Received]]] = {}
+    for r in items:
+        holds.setdefault(id(r._hold), (r._hold, []))[1].append(r)
+    for hold, members in holds.values():
+        hold.release(members)
+
+
+def as_tensors(items: Mapping[str, Received] | Sequence[Received]) -> dict[str, Any] | list[Any]:
+    """torch tensors for many :class:`Received` (a ``recv_many`` batch: its dict, or its list), in the
+    same form: what :meth:`Received.as_tensor` gives for each, and with the same lifetime rules, but
+    with the per-batch work done once (a state dict of thousands of tensors, every step). A device
+    batch: one ``torch.from_dlpack`` per chunk and dtype, then one ``Tensor.as_strided`` per item, or,
+    outside grad mode (``torch.no_grad()``, ``torch.inference_mode()``, as engines load weights) and
+    from the second batch of a layout on (a state dict sent every step), one per run of at least
+    :data:`._torch_views.STACK_MIN` items of the same chunk, dtype, shape and strides whose offsets step evenly
+    (``unbind`` cuts it into the items' tensors, the same tensors; the runs are found once per layout).
+    In grad mode each item has its own ``as_strided``, whose output, unlike ``unbind``'s, may be written
+    in place with an operand that requires grad. Host items: ``as_tensor()`` each.
+
+    Raises:
+        InvalidArgumentError: not a dict, list or tuple; an item is not a Received, or was released.
+        NotSupportedError: torch is not installed.
+    """
+    if not isinstance(items, (Mapping, list, tuple)):
+        raise InvalidArgumentError(f"as_tensors takes a recv_many batch (a dict or a list of Received), got "
+                                   f"{type(items).__name__}: use as_tensor() for one")
+    names = list(items.keys()) if isinstance(items, Mapping) else None
+    rs = list(items.values()) if isinstance(items, Mapping) else list(items)
+    # Checked with C-level maps: a state dict has thousands of items, every step.
+    if rs and set(map(type, rs)) != {Received}:
+        bad = next((r for r in rs if not isinstance(r, Received)), None)
+        if bad is not None:  # (a subclass passes)
+            raise InvalidArgumentError(f"as_tensors takes Received objects, got {type(bad).__name__}")
+    if any(map(_DONE, rs)) or not all(h.alive for h in set(map(_HOLD, rs))):
+        raise InvalidArgumentError("a Received was released; its block may already hold other data")
+    torch = _require("torch")
+    batches = set(map(_BATCH, rs))
+    if len(batches) == 1 and None not in batches:  # one device batch: one pass
+        out = batches.pop().tensors(rs, torch)
+    else:
+        out = [r.as_tensor() for r in rs]
+    return dict(zip(names, out)) if names is not None else out

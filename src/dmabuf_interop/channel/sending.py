@@ -1,0 +1,558 @@
+"""Sending: a caller's array to a placement (inspect it, find the pool block that holds it, lend torch's
+pages in place, or copy it into a new block), the wire form of the placed arrays, and the memo of
+placements sent again.
+
+Speed tricks here are measured and load-bearing: the per-type caches (``_TORCH_DTYPES``, ``_NUMPY_NAMES``,
+``_SIG_KINDS``) and :func:`signatures` make sending a state dict of thousands of tensors again (every
+step) cost one comparison per tensor instead of an inspection; :class:`Memo` then skips placement
+altogether and the message is a ``repeat``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import DmaBufError, InvalidArgumentError
+from ._torch_views import bulk
+from .arrays import DeviceView, HostView, c_strides
+from .pool import LIVE_POOLS, Block, SharedPool
+from .protocol import DTYPES, MAX_ITEMS, MAX_META_BYTES
+
+__all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
+           "place", "signatures", "wire_descs", "MAX_MEMOS"]
+
+#: Most placements a channel remembers for arrays sent again (:class:`Memo`).
+MAX_MEMOS = 256
+
+
+def stream_handle(stream: Any) -> int:
+    """A ``CUstream`` handle as an int from a cuda.core, torch or CuPy stream, an int, or ``None`` (0)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    handle = getattr(stream, "handle", None)  # cuda.core.Stream
+    if handle is not None:
+        return int(handle)
+    raise InvalidArgumentError(f"cannot find a CUDA stream handle in {type(stream).__name__}")
+
+
+@dataclass(slots=True)
+class Source:
+    """What the sender needs to know about a caller's array."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # bytes
+    dtype: str
+    known_device: int | None  # -1: host; None: ask the driver only if a copy needs it
+    obj: Any
+    whole_items: bool = False  # strides known to be multiples of the itemsize (torch's are in elements)
+
+    @property
+    def device(self) -> int:
+        if self.known_device is None:  # a StridedMemoryView: device memory, or host memory CUDA knows
+            view = self.obj
+            self.known_device = view.device_id if view.is_device_accessible and not _is_host_ptr(view) else -1
+        return self.known_device
+
+
+def inspect_array(array: Any) -> Source:
+    import numpy as np
+
+    mod = type(array).__module__
+    if mod.startswith("torch"):
+        if array.is_conj() or array.is_neg():  # lazy views: the memory holds the values before the conjugation
+            raise InvalidArgumentError("a torch tensor with its conjugate or negative bit set cannot travel as "
+                                       "it lies in memory: send tensor.resolve_conj().resolve_neg()")
+        known = _TORCH_DTYPES.get(array.dtype)
+        if known is None:
+            known = _TORCH_DTYPES[array.dtype] = (str(array.dtype).replace("torch.", ""), array.element_size())
+        dtype, es = known
+        _SIG_KINDS.setdefault(type(array), 1)
+        dev = array.get_device()  # -1 for CPU tensors
+        return Source(array.data_ptr(), tuple(array.shape), tuple(s * es for s in array.stride()), dtype,
+                       dev, array, True)
+    if type(array) is DeviceView:  # a received array sent on, as it is mapped here (no memory view made)
+        size = array.dtype.itemsize
+        return Source(array.ptr, array.shape, tuple(st * size for st in array.strides), array._wire_dtype,
+                       array.device_id, array, True)
+    cai = getattr(array, "__cuda_array_interface__", None)
+    if cai is not None:
+        from .. import _driver as driver
+
+        dt = np.dtype(cai["typestr"])
+        shape = tuple(cai["shape"])
+        ptr = int(cai["data"][0])
+        strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dt.itemsize)
+        dev = driver.pointer_device(ptr) if ptr else 0
+        return Source(ptr, shape, strides, dt.name, dev, array)
+    if isinstance(array, np.ndarray):
+        _SIG_KINDS.setdefault(type(array), 2)
+    else:
+        from cuda.core.utils import StridedMemoryView
+
+        if isinstance(array, StridedMemoryView):
+            _SIG_KINDS.setdefault(type(array), 3)
+            dt = np.dtype(array.dtype)
+            shape = tuple(array.shape)
+            strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
+                       else c_strides(shape, dt.itemsize))
+            return Source(int(array.ptr), shape, strides, dt.name, None, array)
+        try:
+            array = np.asarray(array)
+        except ValueError as exc:  # a ragged list, for one
+            raise InvalidArgumentError(f"cannot send {type(array).__name__}: numpy.asarray refused it ({exc})") from exc
+    name = _NUMPY_NAMES.get(array.dtype)
+    if name is None:
+        if array.dtype.byteorder == ">":
+            raise InvalidArgumentError("big-endian arrays cannot travel: convert with "
+                                       "astype(dtype.newbyteorder('='))")
+        name = array.dtype.name
+        if name == "bfloat16" or (array.dtype.kind == "V" and "bfloat16" in str(array.dtype)):
+            name = "bfloat16"
+        _NUMPY_NAMES[array.dtype] = name
+    return Source(array.ctypes.data, array.shape, array.strides, name, -1, array)
+
+
+#: NumPy dtype -> wire dtype name (``dtype.name`` builds a new string on every read).
+_NUMPY_NAMES: dict[Any, str] = {}
+#: torch dtype -> (wire dtype name, itemsize).
+_TORCH_DTYPES: dict[Any, tuple[str, int]] = {}
+#: Array types :func:`signatures` reads: 1 torch tensors, 2 NumPy arrays, 3 cuda.core StridedMemoryViews.
+_SIG_KINDS: dict[type, int] = {}
+
+
+def _is_host_ptr(view: Any) -> bool:
+    """True for host memory CUDA knows (pinned or registered): ``CU_MEMORYTYPE_HOST`` from ``cuPointerGetAttributes``."""
+    try:
+        from .. import _driver as driver
+
+        host = int(driver.bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
+        return driver.pointer_facts(int(view.ptr))["memory_type"] == host
+    except DmaBufError:
+        return False
+
+
+def wire_descs(placed: "list[Placed]", order: str, ev64: str | None, meta: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The wire form of :meth:`ArrayDescriptor.to_json` for each placed array, built directly (a batch
+    has thousands of items); ``meta`` rides on the first."""
+    descs = [{"chunk": p.block.chunk.id, "block_offset": p.block.offset, "block_bytes": p.block.size,
+              "byte_offset": p.offset, "shape": list(p.shape), "strides": list(p.strides), "dtype": p.dtype,
+              "ordering": order, "event": ev64, "name": p.name, "meta": None}
+             for p in placed]
+    if descs:
+        descs[0]["meta"] = meta
+    return descs
+
+
+class Memo:
+    """A batch, or one array, lent whose every array lay in a :class:`.pool.SharedPool` block:
+    sending the same names over the same addresses and layouts again (a model's state dict, every
+    step, whole or in buckets; a ring of blocks) reuses its placement, referencing its blocks again,
+    without inspecting and finding each array, and sends a ``repeat`` of its layout."""
+
+    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout", "batch")
+
+    @staticmethod
+    def key_of(batch: bool, names: list[str | None], sigs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Where a memo is kept, cheap to make (the full names and signatures are compared on use):
+        a named batch by its length and end names; arrays without names by their signatures."""
+        return (batch, len(names), names[0], names[-1]) if names[0] is not None else (batch, sigs)
+
+    def __init__(self, names: list[str | None], sigs: tuple[Any, ...], placed: "list[Placed]", dev_pool: Any,
+                 batch: bool) -> None:
+        self.names = names
+        self.key = self.key_of(batch, names, sigs)
+        self.batch = batch  # a send_many batch, else one send (each sent as a layout)
+        self.sigs = sigs
+        self.placed = placed
+        self.blocks = [p.block for p in placed]  # a lease's list, shared: a Lease never changes it
+        self.dev_pool = dev_pool
+        by_pool: dict[Any, list[Block]] = {}
+        heads: dict[int, Block] = {}  # one block per chunk, to check that the peer has it
+        for p in placed:
+            by_pool.setdefault(p.block.pool, []).append(p.block)
+            heads.setdefault(p.block.chunk.id, p.block)
+        self.by_pool = list(by_pool.items())
+        self.heads = list(heads.values())
+        self.layout: int | None = None  # set once the peer has its layout
+
+
+def signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
+    """Each array's (address, shape, strides, dtype), read as cheaply as its type allows (torch
+    tensors and NumPy arrays that :func:`inspect_array` has met); ``None`` if some array has no such form."""
+    out = []
+    append = out.append
+    kinds = _SIG_KINDS
+    with bulk(len(arrays)):
+        for a in arrays:
+            kind = kinds.get(type(a))
+            if kind == 1:  # (a lazy conjugate or negative view of the same memory is another array)
+                append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
+            elif kind == 2:
+                append((a.ctypes.data, a.shape, a.strides, a.dtype))
+            elif kind == 3:
+                append((3, a.ptr, a.shape, a.strides, a.dtype))  # strides in items: never equal to NumPy's
+            else:
+                return None
+    return tuple(out)
+
+
+
+@dataclass(slots=True)
+class Found:
+    """An array :func:`find` inspected: its :class:`Source`, itemsize, ``span`` (bytes from its first
+    element to one past its last; 0: empty, or negative strides: nothing to find) and the pool block
+    that already holds it (referenced), else ``None``. :func:`lend_in_place` may fill ``block`` in;
+    :func:`place` takes it over."""
+
+    src: Source
+    itemsize: int
+    span: int
+    block: Any
+
+
+@dataclass(slots=True)
+class Placed:
+    """Where one array of a send lies: ``block`` (referenced for the lease), the array's ``offset`` in it
+    (bytes), its shape, strides (bytes) and wire dtype, and its ``name`` in a ``send_many`` mapping."""
+
+    name: str | None
+    block: Any
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+
+
+def find(pool: SharedPool | None, array: Any) -> Found:
+    """Inspect a caller's array and find the block of ``pool``, or of another live pool of this process,
+    that already holds it.
+
+    Raises:
+        InvalidArgumentError: a dtype that cannot travel (and what :func:`inspect_array` raises).
+    """
+    src = inspect_array(array)
+    itemsize = DTYPES.get(src.dtype)
+    if itemsize is None:
+        raise InvalidArgumentError(f"dtype {src.dtype!r} cannot travel; accepted: {', '.join(DTYPES)}")
+    span = itemsize
+    for n, st in zip(src.shape, src.strides):
+        if n == 0 or st < 0:
+            span = 0
+            break
+        span += (n - 1) * st
+    block = None
+    if span:
+        block = pool._find_ref(src.ptr, span) if pool is not None else None
+        if block is None and len(LIVE_POOLS) > (pool is not None):  # another pool of this process
+            for p in list(LIVE_POOLS):
+                if p is not pool:
+                    block = p._find_ref(src.ptr, span)
+                    if block is not None:
+                        break
+    return Found(src, itemsize, span, block)
+
+
+def lend_in_place(pool: SharedPool | None, found: list[Found]) -> None:
+    """Fill in the block of each device array in no pool whose memory torch's expandable segments
+    hold, lent in place (:mod:`.segments`), one batch per device."""
+    if pool is not None and pool.is_host:
+        return  # a host-pool channel: its peer may have no GPU; device arrays are copied to the host
+    by_device: dict[int, list[Found]] = {}
+    for f in found:
+        if f.block is None and f.span and f.src.device >= 0:
+            by_device.setdefault(f.src.device, []).append(f)
+    if not by_device:
+        return
+    from .segments import segments_for
+
+    for dev, fs in by_device.items():
+        blocks = segments_for(dev).find_many([(f.src.ptr, f.span, f.src.obj) for f in fs])
+        for f, b in zip(fs, blocks):
+            f.block = b
+
+
+def place(pool: SharedPool | None, name: str | None, src: Source, itemsize: int, block: Any, stream: int,
+          timeout: float | None) -> Placed:
+    """The block to lend for an array :func:`find` inspected: ``block`` itself (zero-copy), or a new
+    block of ``pool`` it is copied into (host: ``numpy.copyto``; device: ``cuMemcpyAsync`` on ``stream``).
+    On failure ``block`` is released.
+
+    Raises:
+        InvalidArgumentError: no pool to copy into; a non-contiguous copy to or from device memory.
+        PoolExhaustedError: no room within ``timeout``.
+    """
+    shape, strides = src.shape, tuple(src.strides)
+    if block is not None:
+        off = src.ptr - block.ptr
+        if itemsize == 1 or (off % itemsize == 0 and (src.whole_items or not any(st % itemsize for st in strides))):
+            return Placed(name, block, off, shape, strides, src.dtype)
+        # A view DLPack cannot describe (a stride or its start not a whole number of items): copied instead.
+        block.pool._unref(block)
+    if pool is None:
+        raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
+                                   "or send arrays from SharedPool.empty")
+    nbytes = math.prod(src.shape) * itemsize
+    block = pool.alloc(nbytes, timeout=timeout)
+    block.pool._ref(block)
+    try:
+        strides = c_strides(src.shape, itemsize)
+        _copy_into(block, src, nbytes, strides, stream)
+    except BaseException:
+        block.pool._unref(block)
+        raise
+    return Placed(name, block, 0, src.shape, strides, src.dtype)
+
+
+def _copy_into(block: Block, src: Source, nbytes: int, strides: tuple[int, ...], stream: int) -> None:
+    import numpy as np
+
+    if nbytes == 0:
+        return
+    if block.pool.is_host and src.device < 0:
+        obj = src.obj
+        if type(obj).__module__.startswith("torch"):
+            obj = obj.detach()  # a parameter that requires grad: its values, not its graph
+            obj = obj.view(__import__("torch").int16).numpy() if src.dtype == "bfloat16" else obj.numpy()
+        srcarr = np.asarray(obj)
+        typestr = "<u2" if src.dtype == "bfloat16" else srcarr.dtype.str
+        if src.dtype == "bfloat16":
+            srcarr = srcarr.view(np.uint16)
+        dst = np.asarray(HostView(block.ptr, src.shape, strides, typestr,
+                                  (block.chunk.host_keepalive(block.offset, block.size),)))
+        np.copyto(dst, srcarr, casting="no")
+        return
+    # A device on either side: cuMemcpyAsync (unified addressing) of contiguous bytes on the caller's stream.
+    contiguous = src.strides == c_strides(src.shape, DTYPES[src.dtype]) or math.prod(src.shape) <= 1
+    if not contiguous:
+        raise InvalidArgumentError("copying a non-contiguous array to or from GPU memory is not supported: "
+                                   "send a contiguous array (e.g. tensor.contiguous()) or one from pool.empty")
+    from .. import _driver as driver
+
+    driver.set_current(block.pool.device if not block.pool.is_host else src.device)
+    driver.memcpy_async(block.ptr, src.ptr, nbytes, stream)
+    if block.pool.is_host:
+        driver.stream_synchronize(stream)  # host pools carry no event: the bytes must be there now
+
+
+class MemoTable:
+    """The placements a channel lent whose every array lay in one of its pool's blocks (:class:`Memo`),
+    by :meth:`Memo.key_of`, at most ``limit`` (the oldest forgotten first). Changed only under the
+    channel's send lock (``lock``); read without it by :meth:`lend_again`, whose result is checked."""
+
+    def __init__(self, lock: "threading.Lock", limit: int = MAX_MEMOS) -> None:
+        self._lock = lock
+        self._memos: dict[tuple[Any, ...], Memo] = {}
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._memos)
+
+    def values(self) -> list[Memo]:
+        return list(self._memos.values())
+
+    def get(self, key: tuple[Any, ...]) -> "Memo | None":
+        return self._memos.get(key)
+
+    def __getitem__(self, key: tuple[Any, ...]) -> Memo:
+        return self._memos[key]
+
+    def lend_again(self, names: list[str | None], arrays: list[Any],
+                   batch: bool) -> tuple[list[Placed] | None, tuple[Any, ...] | None, "Memo | None"]:
+        """A remembered placement, its blocks referenced again, when ``names`` and ``arrays`` are its names
+        over arrays at the same addresses with the same shapes, strides and dtypes, and every block is
+        still allocated: ``(placement, signatures, memo)``. Otherwise ``(None, signatures, None)``; the
+        signatures are ``None`` when some array has no cheap one."""
+        sigs = signatures(arrays)
+        memo = self._memos.get(Memo.key_of(batch, names, sigs)) if sigs is not None else None
+        if memo is None or sigs != memo.sigs or names != memo.names:
+            return None, sigs, None
+        done: list[tuple[Any, list[Block]]] = []
+        for pool, blocks in memo.by_pool:
+            if not pool._ref_live(blocks):  # a block was freed (its array dropped) since
+                for p, bl in done:
+                    p._unref_many(bl)
+                with self._lock:
+                    self.forget(memo)
+                return None, sigs, None
+            done.append((pool, blocks))
+        return memo.placed, sigs, memo
+
+    def is_current(self, memo: Memo) -> bool:
+        """``memo`` is still the one remembered for its key, with a layout the peer has."""
+        return memo.layout is not None and self._memos.get(memo.key) is memo
+
+    def remember(self, memo: Memo, layout: int | None) -> None:
+        """``memo`` was sent; a batch's ``layout`` is known to the peer now. (The caller holds the send lock.)"""
+        memo.layout = layout
+        self._memos[memo.key] = memo
+        if len(self._memos) > self.limit:
+            del self._memos[next(iter(self._memos))]
+
+    def forget(self, memo: Memo) -> None:
+        """(The caller holds the send lock.)"""
+        if self._memos.get(memo.key) is memo:
+            del self._memos[memo.key]
+
+    def forget_layout(self, layout: int) -> None:
+        """The peer forgot ``layout``: no memo may repeat it. (The caller holds the send lock.)"""
+        for m in [m for m in self._memos.values() if m.layout == layout]:
+            self.forget(m)
+
+    def forget_chunk(self, chunk_id: int) -> None:
+        """Chunk ``chunk_id`` is retired: placements in it are gone. (The caller holds the send lock.)"""
+        for m in [m for m in self._memos.values() if any(b.chunk.id == chunk_id for b in m.heads)]:
+            self.forget(m)
+
+    def clear(self) -> None:
+        self._memos.clear()
+
+
+def batch_items(arrays: Any) -> tuple[list[str | None], list[Any], str]:
+    """A ``send_many`` argument as ``(names, arrays, kind)``: ``kind`` ``"mapping"`` (names are the keys)
+    or ``"list"`` (names are ``None``).
+
+    Raises:
+        InvalidArgumentError: not a mapping, list or tuple; an empty batch; more than
+            :data:`~.protocol.MAX_ITEMS` arrays; a mapping key that is not a str of at most 4096 characters.
+    """
+    names: list[str | None]
+    if not isinstance(arrays, (Mapping, list, tuple)):  # an array would go as a batch of its rows
+        raise InvalidArgumentError(f"send_many takes a mapping of name -> array, or a list or tuple of arrays, "
+                                   f"got {type(arrays).__name__}: use send() for one array")
+    if isinstance(arrays, Mapping):
+        names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
+        # Checked with C-level maps: a state dict has thousands of keys, sent every step.
+        if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
+            bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
+            if bad is not None:  # (a str subclass passes)
+                shown = repr(bad) if len(repr(bad)) <= 80 else repr(bad)[:77] + "..."
+                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
+                                           f"got {shown} ({type(bad).__name__})")
+    else:
+        arrs, kind = list(arrays), "list"
+        names = [None] * len(arrs)
+    if not arrs:
+        raise InvalidArgumentError("an empty batch: send_many needs at least one array")
+    if len(arrs) > MAX_ITEMS:
+        raise InvalidArgumentError(f"a batch holds at most {MAX_ITEMS} arrays, got {len(arrs)}: "
+                                   f"send it as several batches")
+    return names, arrs, kind
+
+
+def check_meta(meta: Any) -> None:
+    """A caller's ``meta``: ``None`` or a JSON object of at most :data:`~.protocol.MAX_META_BYTES` as compact JSON.
+
+    Raises:
+        InvalidArgumentError: not a dict, not JSON-serialisable, or too large.
+    """
+    import json
+
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"meta must be a dict, got {type(meta).__name__}")
+        try:
+            size = len(json.dumps(meta, separators=(",", ":"), allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"meta is not JSON-serialisable: {exc}") from exc
+        if size > MAX_META_BYTES:
+            raise InvalidArgumentError(f"meta is {size} bytes of JSON, more than {MAX_META_BYTES}")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A send ready to go: where each array lies (``placed``, each block referenced for the lease), the
+    memo it came from or goes to, and how the peer learns the writes are done (``order``: ``"none"``,
+    ``"sync"`` or ``"event"`` with ``event``, an ``(CUevent, IPC handle)`` of the pool ``events``)."""
+
+    placed: list[Placed]
+    memo: Memo | None
+    again: bool
+    order: str
+    event: Any
+    events: Any
+
+    @property
+    def blocks(self) -> list[Any]:
+        """The lease's blocks (a remembered placement's list, shared: a Lease never changes it)."""
+        return self.memo.blocks if self.again and self.memo is not None else [p.block for p in self.placed]
+
+    @property
+    def heads(self) -> Any:
+        """One block per chunk when remembered (to check that the peer has each chunk), else every block."""
+        return self.memo.heads if self.memo is not None else [p.block for p in self.placed]
+
+    def unref(self) -> None:
+        """The send failed: give every block back."""
+        for p in self.placed:
+            p.block.pool._unref(p.block)
+
+
+def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
+            timeout: float | None, ordering: str, batch: bool, share_segments: bool) -> Prepared:
+    """Place every array of a send (:class:`MemoTable.lend_again`, else :func:`find`, :func:`lend_in_place`
+    and :func:`place`), then order the writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
+    nothing pending on ``stream``: ``cuStreamQuery``) or ``"event"`` (``cuEventRecord`` of an interprocess
+    event). On failure every block taken is given back.
+
+    Raises:
+        what :func:`find` and :func:`place` raise; CudaError: a driver call failed.
+    """
+    placed: list[Placed] = []
+    found: list[Found] = []
+    memo = None
+    try:
+        again, sigs, memo = memos.lend_again(names, arrays, batch)
+        if again is not None:
+            placed = again  # referenced again by lend_again; the except below gives them back
+            dev_pool = memo.dev_pool
+        else:
+            zero_copy = True
+            for arr in arrays:
+                found.append(find(pool, arr))
+            if share_segments:
+                lend_in_place(pool, found)
+            for name, f in zip(names, found):
+                block, f.block = f.block, None  # from here on place() owns it
+                p = place(pool, name, f.src, f.itemsize, block, stream, timeout)
+                placed.append(p)
+                # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
+                zero_copy = zero_copy and p.block is block and type(block) is Block and block.pool is pool
+            dev_pool = next((p.block.pool for p in placed if not p.block.pool.is_host), None)
+            if zero_copy and sigs is None:  # the arrays' types are known now (inspect_array met them)
+                sigs = signatures(arrays)
+            if zero_copy and sigs is not None:
+                memo = Memo(names, sigs, placed, dev_pool, batch)
+        event = events = None
+        order = "none"
+        if dev_pool is not None:
+            from .. import _driver as driver
+
+            driver.set_current(dev_pool.device)
+            if ordering == "sync":
+                driver.stream_synchronize(stream)
+                order = "sync"
+            elif driver.stream_idle(stream):
+                order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
+            else:
+                events = dev_pool.events
+                event = events.take()
+                driver.event_record(event[0], stream)
+                order = "event"
+    except BaseException:
+        for p in placed:
+            p.block.pool._unref(p.block)
+        for f in found:  # found but not placed
+            if f.block is not None:
+                f.block.pool._unref(f.block)
+        raise
+    return Prepared(placed, memo, again is not None, order, event, events)
