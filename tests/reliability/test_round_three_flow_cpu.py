@@ -7,6 +7,7 @@ marked ``xfail`` show a fault that is still there (the reason names it).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -364,3 +365,19 @@ def test_recv_token_with_timeout_zero_takes_a_byte_already_queued() -> None:
     with a, b:
         a.send(b"k")
         assert recv_token(b, timeout=0) == b"k"
+
+
+# --------------------------------------------------------------------------- the channel soak
+
+
+def test_the_channel_soak_for_a_few_seconds_ends_back_at_its_start(tmp_path: Path) -> None:
+    """``scripts/soak_channel.py`` with a few consumers dying by SIGKILL: fds, threads and the pool end as
+    they started, and no consumer saw a wrong array or an error."""
+    report = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak_channel.py"), "--seconds", "3",
+                          "--consumers", "4", "--warmup", "1", "--lifetime", "0.1,1.5", "--json", str(report)],
+                         capture_output=True, text=True, timeout=90, env=env_with_src())
+    out = json.loads(report.read_text())
+    assert run.returncode == 0 and out["passed"], (run.stderr[-2000:], out["back_to_start"], out["consumer_exits"])
+    assert out["consumer_exits"].get("killed by SIGKILL", 0) >= 4, out["consumer_exits"]
+    assert out["producer"].get("arrays", 0) > 0, out["producer"]
