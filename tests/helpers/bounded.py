@@ -1,7 +1,9 @@
 """Run a scenario in a forked child with a hard time bound, so that a hang is a test failure, not a stuck suite.
 
-The child runs in its own process group (so its own children are killed with it), returns a JSON-able
-dict through a pipe, and never returns into pytest. Only for CPU scenarios: CUDA does not survive fork().
+:func:`bounded` runs a whole scenario in its own process group (whatever it forks is killed with it) and
+returns its JSON-able dict; :func:`child` forks a helper process inside a scenario and :func:`result`
+reads what it returned. Children never return into pytest. Only for CPU scenarios: CUDA does not survive
+fork().
 """
 
 from __future__ import annotations
@@ -16,76 +18,35 @@ import traceback
 from typing import Any, Callable
 
 
+def error(exc: BaseException) -> dict[str, str]:
+    """An exception as a scenario reports it: ``{"error": class name, "message": str}``."""
+    return {"error": type(exc).__name__, "message": str(exc)}
+
+
 class Hung(AssertionError):
     """The scenario did not finish within its bound (it was killed)."""
 
 
-def bounded(fn: Callable[[], dict[str, Any]], timeout: float) -> dict[str, Any]:
-    """``fn()`` in a forked child; its dict, or :class:`Hung` after ``timeout`` seconds, or an
-    ``AssertionError`` carrying the child's traceback when it raised."""
+def child(fn: Callable[[], Any], *, group: bool = False) -> tuple[int, int]:
+    """Fork a process that runs ``fn()`` (in a process group of its own with ``group``); returns
+    ``(pid, read end)``: it writes ``{"ok": result}`` or ``{"error", "message", "tb"}`` as JSON to the
+    pipe and exits. :func:`result` reads it."""
     r, w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(r)
-        os.setpgid(0, 0)
-        try:
-            out = {"ok": fn()}
-        except BaseException:  # noqa: BLE001 - a child never returns into pytest
-            out = {"raised": traceback.format_exc()}
-        try:
-            data = json.dumps(out, default=repr).encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(w, view):]
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Hung(f"the scenario did not finish within {timeout} s (killed)")
-            ready, _, _ = select.select([r], [], [], left)
-            if ready:
-                data = os.read(r, 1 << 16)
-                if not data:
-                    break
-                chunks.append(data)
-    finally:
-        os.close(r)
-        for target in (-pid, pid):  # the child's group: whatever it forked goes with it
-            try:
-                os.kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        os.waitpid(pid, 0)
-    if not chunks:
-        raise AssertionError("the scenario's process ended without a result")
-    out = json.loads(b"".join(chunks))
-    if "raised" in out:
-        raise AssertionError("the scenario raised:\n" + out["raised"])
-    return out["ok"]
-
-
-def child(fn: Callable[[], Any]) -> tuple[int, int]:
-    """Fork a helper process that runs ``fn()``; returns ``(pid, read end)``: the helper writes
-    ``fn``'s JSON-able result to the pipe and exits; ``result(read end, timeout)`` reads it."""
-    r, w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(r)
+        if group:
+            os.setpgid(0, 0)
         try:
             out: Any = {"ok": fn()}
-        except BaseException as exc:  # noqa: BLE001
-            out = {"error": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
+        except BaseException as exc:  # noqa: BLE001 - a child never returns into pytest
+            out = {**error(exc), "tb": traceback.format_exc()}
         try:
-            os.write(w, json.dumps(out, default=repr).encode())
+            view = memoryview(json.dumps(out, default=repr).encode())
+            while view:
+                view = view[os.write(w, view):]
         finally:
             os._exit(0)
     os.close(w)
@@ -111,6 +72,26 @@ def result(fd: int, timeout: float) -> Any:
     finally:
         os.close(fd)
     return json.loads(b"".join(chunks)) if chunks else {"error": "NoResult", "message": "exited without a result"}
+
+
+def bounded(fn: Callable[[], dict[str, Any]], timeout: float) -> dict[str, Any]:
+    """``fn()`` in a forked child; its dict, or :class:`Hung` after ``timeout`` seconds, or an
+    ``AssertionError`` carrying the child's traceback when it raised."""
+    pid, fd = child(fn, group=True)
+    try:
+        out = result(fd, timeout)
+    finally:
+        for target in (-pid, pid):  # the child's group: whatever it forked goes with it
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        os.waitpid(pid, 0)
+    if out.get("error") == "Hung":
+        raise Hung(f"the scenario did not finish within {timeout} s (killed)")
+    if "error" in out:
+        raise AssertionError("the scenario raised:\n" + out.get("tb", out["message"]))
+    return out["ok"]
 
 
 def reap(pid: int, timeout: float = 2.0) -> int | None:

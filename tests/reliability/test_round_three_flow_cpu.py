@@ -28,24 +28,11 @@ from dmabuf_interop.errors import InvalidArgumentError, NotSupportedError, PeerC
 from dmabuf_interop.fd import open_fds
 from dmabuf_interop.fdpass import recv_token
 from tests.helpers import env_with_src
-from tests.helpers.bounded import bounded, child, reap, result
+from tests.helpers.bounded import bounded, child, error, reap
+from tests.helpers.channels import local_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _error(exc: BaseException) -> dict[str, str]:
-    return {"error": type(exc).__name__, "message": str(exc)}
-
-
-def _pair(addr: str, **listen_kw: Any) -> tuple[Any, Any, Any]:
-    """(listener, producer channel, consumer channel) in this process."""
-    lst = listen(addr, **listen_kw)
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.setdefault("ch", connect(addr, timeout=5)), daemon=True)
-    t.start()
-    prod = lst.accept(timeout=5)
-    t.join(5)
-    return lst, prod, out["ch"]
 
 
 @pytest.fixture
@@ -110,7 +97,7 @@ def test_a_consumer_that_stops_receiving_pushes_the_producer_back(addr: str) -> 
 @pytest.mark.xfail(reason="the sender accepts a 33-dimension array that its receiver refuses, and the connection "
                           "is torn down", strict=True)
 def test_an_array_the_receiver_would_refuse_is_refused_before_sending(addr: str, pool: SharedPool) -> None:
-    lst, prod, cons = _pair(addr, pool=pool)
+    lst, prod, cons = local_pair(addr, pool=pool)
     try:
         try:
             prod.send(np.zeros((1,) * 33, "int8"))
@@ -137,7 +124,7 @@ def test_chunks_past_the_receivers_limit_are_refused_before_sending(addr: str) -
 
     def scenario() -> dict[str, Any]:
         pools = [SharedPool(chunk_bytes=4096, max_bytes=4096 * per_pool) for _ in range(n // per_pool + 1)]
-        lst, prod, cons = _pair(addr, pool=pools[0])
+        lst, prod, cons = local_pair(addr, pool=pools[0])
         got: dict[str, Any] = {"n": 0}
 
         def drain() -> None:
@@ -146,7 +133,7 @@ def test_chunks_past_the_receivers_limit_are_refused_before_sending(addr: str) -
                     cons.recv(3).release()
                     got["n"] += 1
             except BaseException as exc:  # noqa: BLE001
-                got["end"] = _error(exc)
+                got["end"] = error(exc)
 
         t = threading.Thread(target=drain, daemon=True)
         t.start()
@@ -157,16 +144,16 @@ def test_chunks_past_the_receivers_limit_are_refused_before_sending(addr: str) -
             try:
                 prod.send(a)
             except (InvalidArgumentError, PoolExhaustedError) as exc:
-                refused = {"at": i, **_error(exc)}
+                refused = {"at": i, **error(exc)}
                 break
             except BaseException as exc:  # noqa: BLE001
-                refused = {"at": i, **_error(exc), "torn_down": True}
+                refused = {"at": i, **error(exc), "torn_down": True}
                 break
         try:
             prod.send(held[0])  # the channel is still up
             still_up: Any = True
         except BaseException as exc:  # noqa: BLE001
-            still_up = _error(exc)
+            still_up = error(exc)
         time.sleep(0.5)
         prod.close()
         t.join(5)
@@ -198,7 +185,7 @@ _ML_DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "flo
 def test_an_ml_dtypes_array_travels_with_its_dtype(addr: str, pool: SharedPool, name: str) -> None:
     dt = np.dtype(getattr(ml_dtypes, name))
     a = np.array([0.5, 1, 2, 4, 0.25, 8, 1, 2], np.float32).astype(dt)
-    lst, prod, cons = _pair(addr, pool=pool)
+    lst, prod, cons = local_pair(addr, pool=pool)
     try:
         prod.send(a)
         with cons.recv(2) as r:
@@ -224,7 +211,7 @@ def test_a_torch_cpu_tensor_travels_with_its_dtype(addr: str, pool: SharedPool, 
 
     dt = getattr(torch, name)
     t = torch.tensor([0.5, 1, 2, 4, 0.25, 8, 1, 2], dtype=torch.float32).to(dt)
-    lst, prod, cons = _pair(addr, pool=pool)
+    lst, prod, cons = local_pair(addr, pool=pool)
     try:
         prod.send(t)
         with cons.recv(2) as r:
@@ -249,7 +236,7 @@ def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
 
         gc.collect()
         fds = open_fds()
-        lst, prod, cons = _pair(addr)  # no pool on either side
+        lst, prod, cons = local_pair(addr)  # no pool on either side
         out: dict[str, Any] = {}
         try:
             prod.send(np.arange(10))
@@ -259,7 +246,7 @@ def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
             with prod.recv(2) as r:
                 out["to_producer"] = r.as_array().tolist()
         except BaseException as exc:  # noqa: BLE001
-            out.update(_error(exc))
+            out.update(error(exc))
         cons.close()
         prod.close()
         lst.close()
@@ -280,7 +267,7 @@ def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
 @pytest.mark.xfail(reason="send/recv after this end's own close() raise PeerClosedError, which blames the peer",
                    strict=True)
 def test_send_and_recv_after_this_ends_close_raise_a_closed_error(addr: str, pool: SharedPool) -> None:
-    lst, prod, cons = _pair(addr, pool=pool)
+    lst, prod, cons = local_pair(addr, pool=pool)
     prod.close()
     cons.close()
     lst.close()
@@ -299,7 +286,7 @@ def test_send_and_recv_after_this_ends_close_raise_a_closed_error(addr: str, poo
 @pytest.mark.parametrize("dtype", [[("a", "<i4"), ("b", "<f8")], "<U5", "S3"], ids=["structured", "unicode", "bytes"])
 def test_a_refused_dtype_is_named_as_it_was_passed(addr: str, pool: SharedPool, dtype: Any) -> None:
     a = np.zeros(3, dtype=dtype)
-    lst, prod, cons = _pair(addr, pool=pool)
+    lst, prod, cons = local_pair(addr, pool=pool)
     try:
         with pytest.raises(InvalidArgumentError) as info:
             prod.send(a)
