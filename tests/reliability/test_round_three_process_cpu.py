@@ -110,15 +110,12 @@ def test_a_forked_worker_cannot_use_or_end_the_parents_channel(tmp_path: Path, a
         with cons.recv(2) as r:
             first = r.as_array().tolist()
 
-        def worker() -> dict[str, Any]:
+        def worker() -> dict[str, Any]:  # what it raises is reported as {"error", "message"}
             if action == "close":
                 prod.close()
                 return {"closed": True}
-            try:
-                prod.send(np.arange(16))
-                return {"sent": True}
-            except BaseException as exc:  # noqa: BLE001
-                return error(exc)
+            prod.send(np.arange(16))
+            return {"sent": True}
 
         pid, rfd = child(worker)
         in_worker = result(rfd, 3)
@@ -150,12 +147,9 @@ def test_a_forked_worker_cannot_allocate_from_the_parents_pool() -> None:
         pool = SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20)
         keep = pool.empty(16, "int32")
 
-        def worker() -> dict[str, Any]:
-            try:
-                pool.empty(16, "int32")
-                return {"allocated": True}
-            except BaseException as exc:  # noqa: BLE001
-                return error(exc)
+        def worker() -> dict[str, Any]:  # what it raises is reported as {"error", "message"}
+            pool.empty(16, "int32")
+            return {"allocated": True}
 
         pid, rfd = child(worker)
         got = result(rfd, 3)
@@ -196,8 +190,8 @@ def test_a_consumer_whose_producer_exited_is_not_killed_by_sigpipe(tmp_path: Pat
             os.write(ready_w, b"x")
             os.read(go_r, 1)
             time.sleep(0.2)  # the producer has exited
-            r.release()
-            try:
+            try:  # a quiet release, or PeerClosedError from it or from the next recv
+                r.release()
                 ch.recv(1)
                 end = "received"
             except BaseException as exc:  # noqa: BLE001
@@ -218,7 +212,7 @@ def test_a_consumer_whose_producer_exited_is_not_killed_by_sigpipe(tmp_path: Pat
 
     out = bounded(scenario, 8)
     assert not out["signaled"], out
-    assert out["consumer"].get("ok", {}).get("end") in ("PeerClosedError",), out
+    assert out["consumer"].get("ok", {}).get("end") == "PeerClosedError", out
 
 
 # --------------------------------------------------------------------------- umask
@@ -410,18 +404,16 @@ def test_a_channel_dropped_without_close_is_closed_when_collected(tmp_path: Path
             pass
         lease.wait(2)
         fds_before = len(os.listdir("/proc/self/fd"))
-        readers_before = sum(th.name == "dmabuf-interop-channel-reader" for th in threading.enumerate())
+        threads_before = threading.active_count()  # the producer channel's reader is one of them
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             del prod, lease
             gc.collect()
             deadline = time.monotonic() + 1.5
-            while time.monotonic() < deadline:
-                if not any(th.name == "dmabuf-interop-channel-reader" for th in threading.enumerate()):
-                    break
+            while time.monotonic() < deadline and threading.active_count() >= threads_before:
                 time.sleep(0.05)
             gc.collect()
-        readers_after = sum(th.name == "dmabuf-interop-channel-reader" for th in threading.enumerate())
+        threads_after = threading.active_count()
         fds_after = len(os.listdir("/proc/self/fd"))
         try:
             cons.recv(1)
@@ -431,11 +423,11 @@ def test_a_channel_dropped_without_close_is_closed_when_collected(tmp_path: Path
         cons.close()
         lst.close()
         pool.close()
-        return {"readers": [readers_before, readers_after], "fds": [fds_before, fds_after], "peer": peer,
+        return {"threads": [threads_before, threads_after], "fds": [fds_before, fds_after], "peer": peer,
                 "warnings": [w.category.__name__ for w in caught]}
 
     out = bounded(scenario, 6)
-    assert out["readers"][1] == out["readers"][0] - 1, out
+    assert out["threads"][1] < out["threads"][0], out  # its reader thread ended
     assert out["fds"][1] < out["fds"][0], out  # the socket is closed
     assert out["peer"] == "PeerClosedError", out
     assert "ResourceWarning" in out["warnings"], out
