@@ -1,4 +1,4 @@
-"""Sphinx configuration: the guides (Markdown, read by MyST) and the API reference, built from the public docstrings.
+"""Sphinx configuration: the Markdown guides (read by MyST) and the API reference from the public docstrings.
 
 Build: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``
 (``pip install '.[docs]'`` first); ``-W`` turns every warning into an error.
