@@ -642,3 +642,24 @@ def test_rules_beyond_the_schema(msg: dict[str, Any], accepted: bool) -> None:
     """Each rule docs/protocol.md lists as beyond the schema, once by hand: the schema alone accepts the message."""
     assert not schema_errors(msg)
     assert _parser_accepts(parse_message, msg) == accepted == EXTRA[msg["kind"]](msg)
+
+
+def test_the_golden_vectors_messages_agree_with_the_schemas() -> None:
+    """Every message of the golden vectors (spec/vectors/): the schema and the parser agree on it, and each
+    message a vector's receiver accepts validates against its kind's schema."""
+    vector_dir = files("dmabuf_interop.channel") / "spec" / "vectors"
+    accepted = refused = 0
+    for f in (p for p in vector_dir.iterdir() if p.name.endswith(".json")):
+        for vector in json.loads(f.read_text())["vectors"]:
+            for step in vector["steps"]:
+                msg = step.get("receive")
+                if msg is None:
+                    continue
+                kind = msg.get("kind") if isinstance(msg, dict) else None
+                check_agreement(kind if kind in PARSERS else "bye", msg)
+                if "expect" in step:
+                    assert not schema_errors(msg) and EXTRA.get(kind, lambda m: True)(msg), (vector["name"], msg)
+                    accepted += 1
+                else:
+                    refused += 1
+    assert accepted > 50 and refused > 20, (accepted, refused)
