@@ -1,4 +1,4 @@
-"""Sphinx configuration: the API reference, built from the public docstrings.
+"""Sphinx configuration: the Markdown guides (read by MyST) and the API reference from the public docstrings.
 
 Build: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``
 (``pip install '.[docs]'`` first); ``-W`` turns every warning into an error.
@@ -15,9 +15,11 @@ from dmabuf_interop import __version__  # noqa: E402
 
 project = "dmabuf-interop"
 release = version = __version__
-extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon"]
-source_suffix = {".rst": "restructuredtext"}  # the Markdown pages are read on their own
+extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "myst_parser"]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]
+# The guides link to each other's sections by their titles (``protocol.md#limits``), as GitHub renders them.
+myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 # cuda.bindings / cuda.core are imported lazily inside functions; nothing to mock at import time.

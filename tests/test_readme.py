@@ -41,3 +41,14 @@ def test_test_command_installs_nixl_without_torch_and_ci_requires_it():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     require = [i for i, line in enumerate(ci) if line.startswith("export DMABUF_INTEROP_REQUIRE_NIXL=1")]
     assert require and require[0] < ci.index(test_cmd)  # the NIXL tests fail rather than skip in CI
+
+
+def test_the_html_docs_hold_every_guide():
+    """docs/index.rst lists the README (through docs/readme.md) and every Markdown guide, read by MyST."""
+    index = (ROOT / "docs" / "index.rst").read_text()
+    pages = set(re.findall(r"^   ([\w-]+)$", index, re.M))
+    guides = {p.stem for p in (ROOT / "docs").glob("*.md")}
+    assert guides == pages - {"api"} and "readme" in guides and "protocol" in guides
+    assert "../README.md" in (ROOT / "docs" / "readme.md").read_text()
+    assert '"myst_parser"' in (ROOT / "docs" / "conf.py").read_text()
+    assert re.search(r'^docs = \[.*"myst-parser>=', (ROOT / "pyproject.toml").read_text(), re.M)

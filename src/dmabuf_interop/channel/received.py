@@ -224,7 +224,7 @@ class Received:
     def release(self, *, synchronize: bool = True) -> None:
         """Give the block back to the producer (idempotent). The lease is released when every item
         of its message was; the ``release`` message goes out at once, or with its burst within
-        :data:``RELEASE_DELAY`` (:mod:`.channel`).
+        :data:`~dmabuf_interop.channel.channel.RELEASE_DELAY`.
 
         For device memory the stream given to ``recv`` is synchronised first
         (``cuStreamSynchronize``), so work queued on it that reads the block is done;
