@@ -20,6 +20,7 @@ Callers branch on meaning, not on strings::
     │   │   └── FdLimitError           fds dropped by the kernel at RLIMIT_NOFILE (MSG_CTRUNC)
     │   └── PeerRefusedError           a channel peer failed the other side's checks (uid, version, host)
     ├── PoolExhaustedError             a shared pool had no free block within the timeout
+    ├── IncompleteVersionError         a weight-sync version stopped part-way (says how much was applied)
     └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
 
 Every error pickles with its class, message and attributes, so it crosses a
@@ -53,6 +54,7 @@ __all__ = [
     "PeerRefusedError",
     "PoolExhaustedError",
     "TransferError",
+    "IncompleteVersionError",
 ]
 
 
@@ -215,3 +217,27 @@ class PoolExhaustedError(DmaBufError):
 
 class TransferError(DmaBufError):
     """A transfer-engine call (NIXL: register, metadata, READ) failed; ``str()`` names the call and NIXL's status."""
+
+
+class IncompleteVersionError(DmaBufError):
+    """A weight-sync version stopped part-way (:mod:`dmabuf_interop.weight_sync`).
+
+    Attributes:
+        version: the version that was being sent or received.
+        applied: batches of it handed to the engine's loader (received) or sent to every engine (sent);
+            ``0`` means none, so the engine's weights are still the previous version's.
+        batches: batches the version has.
+        reason: why it stopped (the trainer aborted, the peer went, a batch broke the protocol, the
+            loader raised).
+    """
+
+    def __init__(self, version: int, applied: int, batches: int, reason: str) -> None:
+        self.version = version
+        self.applied = applied
+        self.batches = batches
+        self.reason = reason
+        state = "nothing of it applied" if applied == 0 else f"{applied} of {batches} batches applied"
+        super().__init__(f"weight version {version} incomplete ({state}): {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.version, self.applied, self.batches, self.reason)
