@@ -507,7 +507,7 @@ class ReceivedVersion:
             self._first = meta
             self.version, self.batches_total = meta["version"], meta["batches"]
         dtypes = meta.get("dtypes", {})
-        if self._rx.host:
+        if next(iter(batch.values())).device < 0:  # host memory (a host pool), whatever the engine's device
             tensors = {n: torch.from_numpy(r.as_array()) for n, r in batch.items()}
         else:
             with torch.no_grad():
