@@ -98,6 +98,15 @@ def _aligned(nbytes: int) -> int:
     return -(-max(nbytes, 1) // 256) * 256
 
 
+def _chunk_for(max_bytes: int) -> int:
+    """A pool chunk of an eighth of ``max_bytes``, a whole number of 2 MiB (the device granularity on
+    H200) or, below 2 MiB, of 256 bytes (:data:`~dmabuf_interop.channel.ALIGN`): a chunk size that the
+    pool rounds up past ``max_bytes`` would leave no room for any chunk."""
+    if max_bytes >= 2 << 20:
+        return max(2 << 20, max_bytes // 8 // (2 << 20) * (2 << 20))
+    return max(256, max_bytes // 256 * 256)
+
+
 def _segments_asked() -> bool:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     return "expandable_segments:true" in conf.replace(" ", "").lower()
@@ -135,7 +144,7 @@ class WeightPublisher:
         address: a socket path, or ``"@name"`` (abstract), as :func:`~dmabuf_interop.channel.listen`.
         device: CUDA ordinal of the pool, ``None`` for a host pool.
         max_bytes: most bytes the pool exports (a version larger than it goes in buckets).
-        chunk_bytes: bytes per pool chunk (default: ``max_bytes``/8, at least 2 MiB).
+        chunk_bytes: bytes per pool chunk (default: an eighth of ``max_bytes`` in whole 2 MiB, at least 2 MiB).
         pool: a pool to use instead of a new one (the trainer's parameters may live in it).
         allow_uids, allow_gids: engines allowed besides this uid (``SO_PEERCRED``).
         timeout: seconds any wait on an engine may take (``None``: no limit).
@@ -155,9 +164,12 @@ class WeightPublisher:
                  lend_segments: bool | None = None) -> None:
         if isinstance(stream_batches, bool) or not isinstance(stream_batches, int) or stream_batches < 1:
             raise InvalidArgumentError(f"stream_batches must be an int >= 1, got {stream_batches!r}")
+        if chunk_bytes is not None and pool is None and -(-chunk_bytes // 256) * 256 > max_bytes:
+            raise InvalidArgumentError(f"chunk_bytes {chunk_bytes}, rounded up to 256 bytes, exceeds max_bytes "
+                                       f"{max_bytes}: no chunk would fit")
         self._own_pool = pool is None
         self.pool = pool if pool is not None else SharedPool(
-            device, max_bytes=max_bytes, chunk_bytes=chunk_bytes or min(max_bytes, max(2 << 20, max_bytes // 8)))
+            device, max_bytes=max_bytes, chunk_bytes=chunk_bytes or _chunk_for(max_bytes))
         try:
             self._listener = listen(address, pool=self.pool, allow_uids=allow_uids, allow_gids=allow_gids)
         except BaseException:
@@ -386,13 +398,17 @@ class WeightPublisher:
             if sent == 0:
                 raise
             reason = f"the trainer stopped sending: {type(exc).__name__}: {exc}"
-            self._abort(version, reason)
+            self.abort(version, reason)
             raise IncompleteVersionError(version, sent, len(batches), reason) from exc
         return PublishReport(version, len(items), sum(i.nbytes for i in items),
                              sum(i.nbytes for i in items if i.staged), len(batches), len(self._channels), keep)
 
-    def _abort(self, version: int, reason: str) -> None:
-        """Tell every engine that ``version`` stops here (best effort: an engine that went needs nothing)."""
+    def abort(self, version: int, reason: str) -> None:
+        """Tell every engine that ``version`` stops here: an engine waiting for it, or part-way through
+        it, raises :class:`~dmabuf_interop.errors.IncompleteVersionError` with ``reason``. :meth:`publish`
+        does this itself when it fails after a first batch went out; a caller whose engines wait for a
+        version that :meth:`publish` refused calls it. Best effort: an engine that cannot be told (no room
+        in the pool, or it went) has its channel closed, which it sees as the end of the version."""
         try:
             token = self.pool.empty((1,), "uint8", timeout=0)
         except DmaBufError:
@@ -492,7 +508,7 @@ class ReceivedVersion:
             meta = _check_meta(next(iter(batch.values())).meta, self._first)
             if "abort" in meta:
                 release_all(batch)
-                if self._first is None:
+                if self._first is None and meta["version"] == self._rx.partial:
                     continue  # the end of a version this engine already stopped reading: skip it
                 raise IncompleteVersionError(meta["version"], self.applied, self.batches_total or 0,
                                              f"the trainer aborted: {meta['abort']}")

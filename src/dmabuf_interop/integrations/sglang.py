@@ -26,7 +26,7 @@ import math
 import threading
 from typing import Any, Callable, Mapping
 
-from ..errors import InvalidArgumentError, ProtocolError, WaitTimeoutError
+from ..errors import IncompleteVersionError, InvalidArgumentError, ProtocolError, WaitTimeoutError
 from ..weight_sync import WeightPublisher, WeightReceiver
 
 __all__ = ["LOADER", "PREFIX", "load_weights", "placeholder", "send_version"]
@@ -131,7 +131,12 @@ def send_version(publisher: WeightPublisher, state: Mapping[str, Any], version: 
                 publisher.accept(timeout=t)
             except WaitTimeoutError:
                 raise WaitTimeoutError(f"{publisher.engines} of {engines} engines connected within {t} s") from None
-        publisher.publish(state, version, timeout=t)
+        try:
+            publisher.publish(state, version, timeout=t)
+        except BaseException as exc:
+            if not isinstance(exc, IncompleteVersionError):  # refused before a batch went: the loaders wait
+                publisher.abort(version, f"the trainer refused the version: {type(exc).__name__}: {exc}")
+            raise
     finally:
         worker.join(t)
     if worker.is_alive():

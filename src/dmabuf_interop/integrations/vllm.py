@@ -25,8 +25,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
-from ..errors import InvalidArgumentError
-from ..weight_sync import WeightPublisher, WeightReceiver
+from ..errors import IncompleteVersionError, InvalidArgumentError
+from ..weight_sync import PublishReport, WeightPublisher, WeightReceiver
 
 __all__ = ["BACKEND", "HAVE_VLLM", "InitInfo", "SocketClient", "TrainerEngine", "TrainerOptions", "UpdateInfo", "WorkerEngine",
            "register", "serve"]
@@ -169,6 +169,7 @@ class TrainerEngine:
         self.is_sender = is_sender
         self.publisher: WeightPublisher | None = None
         self.version = 0
+        self.report: PublishReport | None = None  # the last version's
 
     @classmethod
     def trainer_init(cls, options: TrainerOptions, *, client: Any, source: Any, rank: int = 0) -> "TrainerEngine":
@@ -224,7 +225,11 @@ class TrainerEngine:
         rpc = threading.Thread(target=update, name="dmabuf-interop-update-weights", daemon=True)
         rpc.start()
         try:
-            self.publisher.publish(pairs, version)
+            self.report = self.publisher.publish(pairs, version)
+        except BaseException as exc:
+            if not isinstance(exc, IncompleteVersionError):  # refused before a batch went: the engines wait
+                self.publisher.abort(version, f"the trainer refused the version: {type(exc).__name__}: {exc}")
+            raise
         finally:
             rpc.join(self.options.timeout)
         if rpc.is_alive():
