@@ -316,7 +316,11 @@ def _child(argv: list[str]) -> int:
     with open(cfg_path) as fh:
         cfg = json.load(fh)
     try:
-        if role in ("peer-trainer", "peer-engine"):
+        if role in ("peer-trainer", "peer-engine") and cfg.get("peer") == "vllm-backend":
+            from . import weight_sync_vllm as vb
+
+            res = (vb.trainer if role == "peer-trainer" else vb.engine)(cfg, int(argv[2]))
+        elif role in ("peer-trainer", "peer-engine"):
             from .weight_sync_peers import run_peer
 
             res = run_peer(role, cfg, int(argv[2]))
@@ -335,7 +339,7 @@ def _child(argv: list[str]) -> int:
 # --- the parent: spawn, collect, report ------------------------------------------------------
 
 #: Every path a placement runs, in table order: ours, the peers, the limit.
-PATHS = ("hand-off", "copy", "expandable-segments", "torch-reductions", "ipc-buckets", "copy-limit")
+PATHS = ("hand-off", "copy", "vllm-backend", "expandable-segments", "torch-reductions", "ipc-buckets", "copy-limit")
 
 
 def _paths(text: str) -> tuple[str, ...]:
@@ -499,6 +503,11 @@ def _placement(label: str, cfg: dict[str, Any], tmp: str, say: Any) -> dict[str,
         rows.append(_row(v, "ours", eng["sync_ms"][v], status="ok", bad_checksums=eng["bad_checksums"],
                          trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
                          send_ms=_stats(tr["send_ms"])))
+    if "vllm-backend" in paths:  # the vLLM backend in vLLM's order (weight_sync_vllm)
+        from .weight_sync_vllm import run as run_backend
+
+        say(f"placement {label}: vllm-backend")
+        rows.append(run_backend(cfg, tmp))
     if not cfg["host"] and "expandable-segments" in paths:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True}, tmp,
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -557,6 +566,9 @@ def targets(workload: str, placements: list[dict[str, Any]], host: bool) -> list
              bool(hm and peers) and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
              f"{min(peers) / max(hm['p50'], 1e-9):.1f}x" if hm and peers else None),
         ]
+        from .weight_sync_vllm import targets as backend_targets
+
+        checks += backend_targets(rows, _p50)
         growth = []
         for r in rows:
             for side in ("trainer", "engine"):
