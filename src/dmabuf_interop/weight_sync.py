@@ -60,6 +60,8 @@ PROTOCOL = 1
 MAX_BATCH_ITEMS = 4096
 #: Most batches per version an engine accepts.
 MAX_BATCHES = 1 << 16
+#: CUDA streams a receiver loads batches on in turn.
+RECV_STREAMS = 4
 #: Name of the one item of an ``abort`` batch.
 ABORT_ITEM = "__weight_sync_abort__"
 #: torch dtypes a trainer may send, by name (what ``meta["dtypes"]`` may name).
@@ -606,8 +608,9 @@ class WeightReceiver:
         timeout: seconds to connect, and the default wait for a version (``None``: no limit).
         wait: retry while nothing listens yet (an engine started before its trainer).
         allow_uids, allow_gids: trainers allowed besides this uid.
-        streams: CUDA streams that batches are loaded on in turn (default: two new ones on ``device``,
-            so one batch's copies overlap the next's hand-off).
+        streams: CUDA streams that batches are loaded on in turn (default: :data:`RECV_STREAMS` new ones on
+            ``device``, so one batch's copies overlap the next's hand-off and the copies of the batches
+            before it).
 
     Raises:
         SyscallError, PeerRefusedError, WaitTimeoutError: as :func:`~dmabuf_interop.channel.connect`.
@@ -621,7 +624,7 @@ class WeightReceiver:
         self.timeout = timeout
         if streams is None and not self.host:
             torch = _torch()
-            streams = [torch.cuda.Stream(device) for _ in range(2)]
+            streams = [torch.cuda.Stream(device) for _ in range(RECV_STREAMS)]
         self._streams = list(streams or [])
         self._ch = connect(address, timeout=timeout, device=device, wait=wait, allow_uids=allow_uids,
                            allow_gids=allow_gids)

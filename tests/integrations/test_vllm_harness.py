@@ -25,12 +25,12 @@ pytest.importorskip("torch", reason="the example moves torch tensors")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_backend"
 
 
-def run_pair(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, dict]:
+def run_pair(tmp_path: Path, common: tuple[str, ...], extra: tuple[str, ...] = (), timeout: float = 300
+             ) -> tuple[dict, dict]:
+    """Engine and trainer with the ``common`` options; ``extra`` for the trainer alone."""
     ctl, addr = tmp_path / "ctl.sock", tmp_path / "w.sock"
     env = env_with_src()
-    engine = subprocess.Popen([sys.executable, str(EXAMPLE / "engine.py"), "--control", str(ctl), "--json",
-                               *[a for a in args if not a.startswith(("--steps", "--max-bytes", "--in-pool"))
-                                 and not a.isdigit()]],
+    engine = subprocess.Popen([sys.executable, str(EXAMPLE / "engine.py"), "--control", str(ctl), "--json", *common],
                               cwd=EXAMPLE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -39,7 +39,7 @@ def run_pair(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, di
             assert time.monotonic() < deadline, "the engine never listened"
             time.sleep(0.05)
         trainer = subprocess.run([sys.executable, str(EXAMPLE / "trainer.py"), "--control", str(ctl), "--address",
-                                  str(addr), "--json", *args], cwd=EXAMPLE, env=env, capture_output=True, text=True,
+                                  str(addr), "--json", *common, *extra], cwd=EXAMPLE, env=env, capture_output=True, text=True,
                                  timeout=timeout)
         out, err = engine.communicate(timeout=timeout)
     finally:
@@ -53,7 +53,7 @@ def run_pair(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, di
 
 @pytest.mark.parametrize("extra", [(), ("--in-pool",), ("--max-bytes", "1200000")], ids=["staged", "in-pool", "buckets"])
 def test_the_example_pair_on_host_pools(tmp_path, extra):
-    tr, en = run_pair(tmp_path, "--host", "--steps", "3", *extra)
+    tr, en = run_pair(tmp_path, ("--host",), ("--steps", "3", *extra))
     assert [c["version"] for c in en["checked"]] == [1, 2, 3] and all(c["ok"] for c in en["checked"])
     assert len(tr["send_ms"]) == 3 and tr["tensors"] == 4
 
@@ -61,7 +61,7 @@ def test_the_example_pair_on_host_pools(tmp_path, extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [(), ("--in-pool",), ("--max-bytes", str(4 << 30))], ids=["staged", "in-pool", "buckets"])
 def test_ws_8b_in_vllm_order_on_one_gpu(tmp_path, extra):
-    tr, en = run_pair(tmp_path, "--shapes", "ws-8b", "--device", "0", "--steps", "3", *extra, timeout=540)
+    tr, en = run_pair(tmp_path, ("--shapes", "ws-8b", "--device", "0"), ("--steps", "3", *extra), timeout=540)
     assert tr["tensors"] == 399 and round(tr["bytes"] / 1e9, 1) == 16.4
     assert [c["version"] for c in en["checked"]] == [1, 2, 3] and all(c["ok"] for c in en["checked"])
     print(f"ws-8b {extra or 'staged'}: send_weights ms {[round(t, 1) for t in tr['send_ms']]}")
