@@ -644,7 +644,9 @@ class WeightReceiver:
         Raises:
             IncompleteVersionError: the version stopped part-way, or ``load_weights`` raised, after a first
                 batch was applied (``applied`` says how many; the model then mixes two versions).
-            as :meth:`ReceivedVersion.batches` before anything was applied.
+            ProtocolError: a batch broke the protocol before anything was applied (the peer's fault).
+            PeerClosedError: the trainer went before anything was applied.
+            WaitTimeoutError: no batch within ``timeout``.
         """
         torch = _torch()
         rv = self.receive(timeout=timeout)

@@ -13,6 +13,7 @@ calls what ``update_weights`` calls before it: ``receive_weights(parse_update_in
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import threading
@@ -28,6 +29,8 @@ try:
     from vllm.distributed.weight_transfer import (ModuleSource, VLLMWeightSyncClient, WeightTransferEngineFactory,
                                                   WeightTransferTrainerFactory)
 except ImportError as exc:  # pragma: no cover - CI installs it
+    if os.environ.get("DMABUF_INTEROP_REQUIRE_VLLM") == "1":  # .ci/run: a skip here would hide the contract
+        raise
     pytest.skip(f"vLLM 0.33 does not import here ({exc}): pip install --no-deps vllm==0.33.0 and the packages "
                 f".ci/run lists", allow_module_level=True)
 

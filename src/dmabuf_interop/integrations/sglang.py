@@ -109,7 +109,9 @@ def send_version(publisher: WeightPublisher, state: Mapping[str, Any], version: 
 
     Raises:
         WaitTimeoutError: the engines did not connect, or ``update`` did not return, in time.
-        what :meth:`WeightPublisher.publish` or ``update`` raised.
+        IncompleteVersionError: the version stopped part-way (the loaders were told).
+        InvalidArgumentError: :meth:`~dmabuf_interop.weight_sync.WeightPublisher.publish` refused the state
+            dict (the loaders were told), or SGLang answered ``(False, message)``.
     """
     t = publisher.timeout if timeout is None else timeout
     named = placeholder(publisher.address, version, timeout=t if t is not None else 300.0)
