@@ -582,6 +582,25 @@ class ReceivedVersion:
         for b in self.batches():
             yield from b.items
 
+    def drain(self) -> None:
+        """Take and give back the rest of this version without using it (after the engine's loader failed
+        part-way), so that a trainer reusing its pool for the remaining buckets is not left waiting;
+        stops at the version's last batch, an abort, anything else, or the timeout."""
+        self.release()
+        last = (self.batches_total or 0) - 1
+        index = self.applied
+        while self.version is not None and index <= last:
+            try:
+                batch = self._rx._ch.recv_many(timeout=self._timeout)
+            except DmaBufError:
+                return
+            meta = next(iter(batch.values())).meta if isinstance(batch, dict) and batch else None
+            release_all(batch)
+            if (not isinstance(meta, dict) or meta.get("version") != self.version or "abort" in meta
+                    or meta.get("batch") == last):
+                return
+            index += 1
+
     def release(self) -> None:
         """Give back every batch still held (one stream synchronisation per stream)."""
         held, self._held = self._held, []
@@ -661,6 +680,7 @@ class WeightReceiver:
                             load_weights(b.items)
                 except Exception as exc:
                     self.partial = rv.version
+                    rv.drain()
                     reason = (f"load_weights raised {type(exc).__name__} on batch {b.index} (part of it may be "
                               f"applied): {exc}")
                     raise IncompleteVersionError(rv.version or 0, rv.applied - 1, rv.batches_total or 0,
