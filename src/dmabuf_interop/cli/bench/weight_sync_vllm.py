@@ -187,7 +187,7 @@ def engine(cfg: dict[str, Any], fd: int) -> dict[str, Any]:
 
 def run(cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
     """The path for one placement: a row for :func:`.weight_sync._placement`."""
-    from .weight_sync import _row, _run_peer, _stats
+    from .weight_sync import _row, _run_peer
 
     res = _run_peer(PATH, cfg, tmp)  # two roles on a socket pair, as the peers
     if res["status"] != "ok":
