@@ -78,7 +78,8 @@ class Client:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(300)
+            assert not t.is_alive(), "a worker's call did not return within 300 s"
         if errors:
             raise errors[0]
 
