@@ -23,6 +23,7 @@ Callers branch on meaning, not on strings::
     ├── PoolExhaustedError             a shared pool had no free block within the timeout
     ├── TransferError                  a transfer-engine call (NIXL) failed
     ├── LocalError                     this process failed on a message the protocol allows (never the peer's fault)
+    ├── IncompleteVersionError         a weight-sync version stopped part-way (says how much was applied)
     └── WaitTimeoutError               a wait ran past its deadline (also a builtins.TimeoutError)
 
 The peer's faults and ours are apart: a :class:`ProtocolError` (or :class:`PeerRefusedError`) says the peer
@@ -62,6 +63,7 @@ __all__ = [
     "StaleHandleError",
     "TransferError",
     "LocalError",
+    "IncompleteVersionError",
 ]
 
 
@@ -247,3 +249,25 @@ class TransferError(DmaBufError):
 class LocalError(DmaBufError):
     """This process failed, not the peer: a channel could not handle a message the protocol allows (a bug
     here). The connection ends, and the peer is not blamed: a peer's fault is a :class:`ProtocolError`."""
+class IncompleteVersionError(DmaBufError):
+    """A weight-sync version stopped part-way (:mod:`dmabuf_interop.weight_sync`).
+
+    Attributes:
+        version: the version that was being sent or received.
+        applied: batches of it handed to the engine's loader (received) or sent to every engine (sent);
+            ``0`` means none, so the engine's weights are still the previous version's.
+        batches: batches the version has.
+        reason: why it stopped (the trainer aborted, the peer went, a batch broke the protocol, the
+            loader raised).
+    """
+
+    def __init__(self, version: int, applied: int, batches: int, reason: str) -> None:
+        self.version = version
+        self.applied = applied
+        self.batches = batches
+        self.reason = reason
+        state = "nothing of it applied" if applied == 0 else f"{applied} of {batches} batches applied"
+        super().__init__(f"weight version {version} incomplete ({state}): {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.version, self.applied, self.batches, self.reason)

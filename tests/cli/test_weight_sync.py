@@ -46,8 +46,8 @@ def test_host_workload_runs_in_real_processes(tmp_path, workload):
     assert data["config"]["workload"] == workload and data["config"]["host"] is True
     (pl,) = data["placements"]
     rows = {r["path"]: r for r in pl["rows"]}
-    assert set(rows) == {"hand-off", "copy", "copy-limit"}
-    for name in ("hand-off", "copy"):
+    assert set(rows) == {"hand-off", "copy", "vllm-backend", "copy-limit"}
+    for name in ("hand-off", "copy", "vllm-backend"):
         r = rows[name]
         assert r["status"] == "ok" and r["bad_checksums"] == 0 and r["ms"]["n"] == 4
         for side in ("trainer", "engine"):

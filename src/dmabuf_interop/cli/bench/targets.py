@@ -215,6 +215,9 @@ def workload_targets(workload: str, placements: list[dict[str, Any]], host: bool
              bool(hm and peers) and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
              f"{min(peers) / max(hm['p50'], 1e-9):.1f}x" if hm and peers else None),
         ]
+        from .weight_sync_vllm import targets as backend_targets
+
+        checks += backend_targets(rows, row_p50)
         growth = []
         for r in rows:
             for side in ("trainer", "engine"):

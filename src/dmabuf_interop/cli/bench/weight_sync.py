@@ -305,6 +305,10 @@ def _limit(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket]
 
 def _peer(role: str) -> Any:
     def run(cfg: dict[str, Any], _ctl: socket.socket, socks: list[socket.socket]) -> dict[str, Any]:
+        if cfg.get("peer") == "vllm-backend":
+            from . import weight_sync_vllm as vb
+
+            return (vb.trainer if role == "peer-trainer" else vb.engine)(cfg, socks[0].detach())
         from .weight_sync_peers import run_peer
 
         return run_peer(role, cfg, socks[0].detach())
@@ -320,7 +324,7 @@ ROLES = {"trainer": _trainer, "engine": _engine, "limit": _limit, "peer-trainer"
 # --- the parent: spawn, collect, report ------------------------------------------------------
 
 #: Every path a placement runs, in table order: ours, the peers, the limit.
-PATHS = ("hand-off", "copy", "expandable-segments", "torch-reductions", "ipc-buckets", "copy-limit")
+PATHS = ("hand-off", "copy", "vllm-backend", "expandable-segments", "torch-reductions", "ipc-buckets", "copy-limit")
 
 
 def _paths(text: str) -> tuple[str, ...]:
@@ -428,6 +432,11 @@ def _placement(label: str, cfg: dict[str, Any], say: Any) -> dict[str, Any]:
         rows.append(_row(v, "ours", eng["sync_ms"][v], status="ok", bad_checksums=eng["bad_checksums"],
                          trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
                          send_ms=_stats(tr["send_ms"])))
+    if "vllm-backend" in paths:  # the vLLM backend in vLLM's order (weight_sync_vllm)
+        from .weight_sync_vllm import run as run_backend
+
+        say(f"placement {label}: vllm-backend")
+        rows.append(run_backend(cfg))
     if not cfg["host"] and "expandable-segments" in paths:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True},
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

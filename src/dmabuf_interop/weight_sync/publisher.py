@@ -1,0 +1,345 @@
+"""The trainer's end of weight sync: :class:`WeightPublisher`."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+from ..channel import SharedPool, listen
+from ..errors import DmaBufError, IncompleteVersionError, InvalidArgumentError, PoolExhaustedError, WaitTimeoutError
+from ._protocol import ABORT_ITEM, DTYPES, MAX_BATCH_ITEMS, PROTOCOL, _aligned, _carrier, _chunk_for, _dtype_name, \
+    _segments_asked, _torch
+
+__all__ = ["PublishReport", "WeightPublisher"]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, frozen=True)
+class PublishReport:
+    """What :meth:`WeightPublisher.publish` sent: ``bytes`` in all, ``staged_bytes`` of them copied into
+    the pool, ``batches`` per engine, ``engines`` that received it, ``kept`` whether the staging was kept
+    (the version fitted in the pool)."""
+
+    version: int
+    tensors: int
+    bytes: int
+    staged_bytes: int
+    batches: int
+    engines: int
+    kept: bool
+
+
+@dataclass(slots=True)
+class _Item:
+    name: str
+    src: Any  # the caller's tensor
+    nbytes: int
+    dtype: str
+    staged: bool
+    send: Any = None  # what goes on the channel (the tensor, its staging copy, or a carrier view of either)
+
+
+class WeightPublisher:
+    """The trainer's end: a pool, a listener, and one channel per engine that connected.
+
+    Args:
+        address: a socket path, or ``"@name"`` (abstract), as :func:`~dmabuf_interop.channel.listen`.
+        device: CUDA ordinal of the pool, ``None`` for a host pool.
+        max_bytes: most bytes the pool exports (a version larger than it goes in buckets).
+        chunk_bytes: bytes per pool chunk (default: an eighth of ``max_bytes`` in whole 2 MiB, at least 2 MiB).
+        pool: a pool to use instead of a new one (the trainer's parameters may live in it).
+        allow_uids, allow_gids: engines allowed besides this uid (``SO_PEERCRED``).
+        timeout: seconds any wait on an engine may take (``None``: no limit).
+        stream_batches: a version is cut into about this many batches after a first of a sixteenth of its
+            bytes, so an engine loads one batch while the next is handed over (1: one batch where it fits).
+        lend_segments: hand CUDA tensors outside the pool to the channel, which lends torch's
+            expandable-segment pages in place (default: when ``PYTORCH_CUDA_ALLOC_CONF`` asks for them).
+
+    Raises:
+        InvalidArgumentError: bad sizes or address; SyscallError: the socket could not be made;
+        NoDriverError: a device pool where CUDA is unavailable.
+    """
+
+    def __init__(self, address: str, *, device: int | None = None, max_bytes: int = 1 << 30,
+                 chunk_bytes: int | None = None, pool: SharedPool | None = None, allow_uids: Iterable[int] | None = None,
+                 allow_gids: Iterable[int] | None = None, timeout: float | None = 60.0, stream_batches: int = 8,
+                 lend_segments: bool | None = None) -> None:
+        if isinstance(stream_batches, bool) or not isinstance(stream_batches, int) or stream_batches < 1:
+            raise InvalidArgumentError(f"stream_batches must be an int >= 1, got {stream_batches!r}")
+        if chunk_bytes is not None and pool is None and -(-chunk_bytes // 256) * 256 > max_bytes:
+            raise InvalidArgumentError(f"chunk_bytes {chunk_bytes}, rounded up to 256 bytes, exceeds max_bytes "
+                                       f"{max_bytes}: no chunk would fit")
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else SharedPool(
+            device, max_bytes=max_bytes, chunk_bytes=chunk_bytes or _chunk_for(max_bytes))
+        try:
+            self._listener = listen(address, pool=self.pool, allow_uids=allow_uids, allow_gids=allow_gids)
+        except BaseException:
+            if self._own_pool:
+                self.pool.close()
+            raise
+        self.address = address
+        self.timeout = timeout
+        self.stream_batches = stream_batches
+        self.lend_segments = _segments_asked() if lend_segments is None else bool(lend_segments)
+        self._channels: list[Any] = []
+        self._leases: list[Any] = []
+        self._kept: dict[str, Any] = {}  # name -> staging tensor, while a version fits in the pool
+        self._kept_key: tuple[Any, ...] | None = None
+        self._lock = threading.Lock()
+
+    # --- engines ---------------------------------------------------------------------------
+
+    @property
+    def engines(self) -> int:
+        """Engines connected now."""
+        return len(self._channels)
+
+    def accept(self, timeout: float | None = 60.0) -> None:
+        """Take the next engine's connection (its peer checked; :meth:`Listener.accept`'s errors)."""
+        ch = self._listener.accept(timeout=timeout)
+        with self._lock:
+            self._channels.append(ch)
+
+    def accept_while(self, call: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run ``call`` in a thread and take every engine that connects until it returns, then its result.
+
+        For a control plane that tells engines to connect and returns once they have (vLLM's
+        ``init_weight_transfer_engine``): the engines' ``connect`` completes only once accepted here.
+
+        Raises:
+            WaitTimeoutError: ``call`` still running after ``timeout``; whatever ``call`` raised.
+        """
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                out["error"] = exc
+
+        worker = threading.Thread(target=run, name="dmabuf-interop-accept-while", daemon=True)
+        worker.start()
+        from .._time import deadline_after, remaining
+
+        deadline = deadline_after(timeout)
+        while worker.is_alive():
+            left = remaining(deadline)
+            if left is not None and left <= 0:
+                raise WaitTimeoutError(f"the control-plane call did not return within {timeout} s")
+            try:
+                self.accept(timeout=0.05 if left is None else min(0.05, left))
+            except WaitTimeoutError:
+                pass
+        while True:  # connections that were queued as the call returned
+            try:
+                self.accept(timeout=0)
+            except WaitTimeoutError:
+                break
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")  # type: ignore[return-value]
+
+    # --- versions ------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every engine gave the last version back (then its memory may be written).
+
+        Raises:
+            WaitTimeoutError: not within ``timeout`` (default: the publisher's).
+        """
+        t = self.timeout if timeout is None else timeout
+        for lease in self._leases:
+            lease.wait(t)
+        self._leases = []
+
+    def _items(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Item]:
+        torch = _torch()
+        pairs = state.items() if isinstance(state, Mapping) else state
+        host = self.pool.is_host
+        items: list[_Item] = []
+        seen: set[str] = set()
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidArgumentError(f"a state dict is name -> tensor, or (name, tensor) pairs; got {pair!r}")
+            name, t = pair
+            if not isinstance(name, str) or not name or len(name) > 4096 or name == ABORT_ITEM or name in seen:
+                raise InvalidArgumentError(f"tensor names must be distinct non-empty str of at most 4096 "
+                                           f"characters, got {name!r}")
+            seen.add(name)
+            if not isinstance(t, torch.Tensor) or hasattr(t, "device_mesh"):
+                raise InvalidArgumentError(f"{name}: a torch.Tensor is needed (a DTensor materialised with "
+                                           f"full_tensor()), got {type(t).__name__}")
+            dtype = _dtype_name(t.dtype)
+            if dtype not in DTYPES:
+                raise InvalidArgumentError(f"{name}: dtype {dtype} cannot be sent (choose from {', '.join(DTYPES)})")
+            t = t.detach()
+            nbytes = t.numel() * t.element_size()
+            on_pool_device = (t.device.type == "cpu") if host else (t.device.type == "cuda"
+                                                                    and t.device.index == self.pool.device)
+            in_pool = (on_pool_device and t.is_contiguous() and nbytes > 0
+                       and self.pool.find(t.data_ptr(), nbytes) is not None)
+            lent = (not host and t.device.type == "cuda" and self.lend_segments and t.is_contiguous())
+            items.append(_Item(name, t, nbytes, dtype, staged=not (in_pool or lent)))
+        if not items:
+            raise InvalidArgumentError("an empty state dict: nothing to publish")
+        return items
+
+    def _wire(self, torch: Any, item: _Item, t: Any) -> Any:
+        carrier = _carrier(torch, item.dtype, self.pool.is_host)
+        if carrier is not None:
+            t = t.view(carrier) if t.dim() else t.reshape(1).view(carrier).reshape(())
+        return t.numpy() if self.pool.is_host else t  # a host pool's channel reads NumPy arrays
+
+    def _stage(self, torch: Any, item: _Item, timeout: float | None) -> Any:
+        """A pool block shaped like ``item.src`` (``timeout=0``: only if there is room now)."""
+        flat = self.pool.empty((max(item.nbytes, 1),), "uint8", timeout=timeout)
+        buf = torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
+        return buf[:item.nbytes].view(item.src.dtype).view(item.src.shape)
+
+    def _plan(self, items: list[_Item]) -> list[list[_Item]]:
+        """Batches in order: a first of 1/16 of the bytes, then ``stream_batches`` of about equal bytes,
+        none over :data:`MAX_BATCH_ITEMS`, and (staging not kept) none staging more than half the pool."""
+        total = sum(i.nbytes for i in items)
+        n = self.stream_batches
+        first = total / 16 if n > 1 else total
+        each = (total - first) / n if n > 1 else total
+        half = None
+        if not self._kept:
+            half = (self.pool.max_bytes - self.pool.used_bytes) // 2
+            big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
+            if big is not None and _aligned(big.nbytes) > half:
+                raise InvalidArgumentError(
+                    f"{big.name} ({big.nbytes} bytes) needs a pool of at least twice its size: "
+                    f"{half * 2} bytes are free of max_bytes {self.pool.max_bytes}")
+        out: list[list[_Item]] = [[]]
+        filled = staged = 0
+        for it in items:
+            cut = len(out[-1]) >= MAX_BATCH_ITEMS or (out[-1] and filled >= first + each * (len(out) - 1))
+            if half is not None and out[-1] and staged + _aligned(it.nbytes) > half:
+                cut = True
+            if cut:
+                out.append([])
+                staged = 0
+            out[-1].append(it)
+            filled += it.nbytes
+            if it.staged:
+                staged += _aligned(it.nbytes)
+        return out
+
+    def _keep(self, torch: Any, items: list[_Item]) -> bool:
+        """Staging for every staged item, kept from version to version while the layout is the same;
+        ``False`` where it does not all fit in the pool now (the version then goes in buckets)."""
+        key = tuple((i.name, i.dtype, tuple(i.src.shape), i.staged) for i in items)
+        if key == self._kept_key:
+            return True
+        self._kept, self._kept_key = {}, None
+        kept: dict[str, Any] = {}
+        try:
+            for it in items:
+                if it.staged:
+                    kept[it.name] = self._stage(torch, it, timeout=0)
+        except PoolExhaustedError:
+            return False
+        self._kept, self._kept_key = kept, key
+        return True
+
+    def publish(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int, *,
+                stream: Any = None, timeout: float | None = None) -> PublishReport:
+        """Send ``state`` (name -> tensor, or (name, tensor) pairs; an iterator is consumed first) as
+        ``version`` to every connected engine.
+
+        Waits first for the previous version to be given back. Copies into the pool run on ``stream``
+        (default: torch's current stream of the pool's GPU); the engines' streams wait for them.
+
+        Raises:
+            InvalidArgumentError: not tensors, unsupported dtypes, duplicate names, no engine connected, a
+                staged tensor larger than half the pool (nothing was sent).
+            IncompleteVersionError: sending stopped after a first batch went out (engines were told).
+            WaitTimeoutError, PoolExhaustedError, PeerClosedError: an engine did not give a version back
+                in time, or went (before anything of this version was sent).
+        """
+        torch = _torch()
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidArgumentError(f"version must be an int >= 0, got {version!r}")
+        if not self._channels:
+            raise InvalidArgumentError("no engine is connected: accept() first")
+        t = self.timeout if timeout is None else timeout
+        items = self._items(state)
+        self.wait(t)
+        host = self.pool.is_host
+        if stream is None and not host:
+            stream = torch.cuda.current_stream(self.pool.device)
+        keep = self._keep(torch, items)
+        batches = self._plan(items)
+        sent = 0
+        try:
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            for b, batch in enumerate(batches):
+                with ctx:
+                    for it in batch:
+                        src = it.src
+                        if it.staged:
+                            dst = self._kept[it.name] if keep else self._stage(torch, it, timeout=t)
+                            dst.copy_(src, non_blocking=not host)
+                            src = dst
+                        it.send = self._wire(torch, it, src)
+                meta = {"weight_sync": PROTOCOL, "version": version, "batch": b, "batches": len(batches),
+                        "keep": keep, "tensors": len(items) if b == 0 else len(batch)}
+                dtypes = {it.name: it.dtype for it in batch if _carrier(torch, it.dtype, host) is not None}
+                if dtypes:
+                    meta["dtypes"] = dtypes
+                payload = {it.name: it.send for it in batch}
+                for it in batch:
+                    it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
+                for ch in list(self._channels):
+                    self._leases.append(ch.send_many(payload, stream=stream, meta=meta, timeout=t))
+                payload = {}
+                sent = b + 1
+        except BaseException as exc:
+            if sent == 0:
+                raise
+            reason = f"the trainer stopped sending: {type(exc).__name__}: {exc}"
+            self.abort(version, reason)
+            raise IncompleteVersionError(version, sent, len(batches), reason) from exc
+        return PublishReport(version, len(items), sum(i.nbytes for i in items),
+                             sum(i.nbytes for i in items if i.staged), len(batches), len(self._channels), keep)
+
+    def abort(self, version: int, reason: str) -> None:
+        """Tell every engine that ``version`` stops here: an engine waiting for it, or part-way through
+        it, raises :class:`~dmabuf_interop.errors.IncompleteVersionError` with ``reason``. :meth:`publish`
+        does this itself when it fails after a first batch went out; a caller whose engines wait for a
+        version that :meth:`publish` refused calls it. Best effort: an engine that cannot be told (no room
+        in the pool, or it went) has its channel closed, which it sees as the end of the version."""
+        try:
+            token = self.pool.empty((1,), "uint8", timeout=0)
+        except DmaBufError:
+            token = None
+        for ch in list(self._channels):
+            try:
+                if token is None:  # no room for the token: ending the channel reports it as well
+                    raise PoolExhaustedError("no room for an abort batch")
+                ch.send_many({ABORT_ITEM: token}, meta={"weight_sync": PROTOCOL, "version": version,
+                                                        "abort": reason[:1000]}, timeout=1.0)
+            except DmaBufError:
+                ch.close(timeout=0)
+                self._channels.remove(ch)
+
+    def close(self) -> None:
+        """Close every engine's channel, the listener, and the pool if the publisher made it."""
+        self._kept, self._kept_key, self._leases = {}, None, []
+        for ch in self._channels:
+            ch.close()
+        self._channels = []
+        self._listener.close()
+        if self._own_pool:
+            self.pool.close()
+
+    def __enter__(self) -> "WeightPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,267 @@
+"""The engine's end of weight sync: :class:`WeightReceiver` and the versions it receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from ..channel import as_tensors, connect, release_all
+from ..errors import DmaBufError, IncompleteVersionError, InvalidArgumentError, ProtocolError
+from ._protocol import RECV_STREAMS, _check_meta, _torch
+
+__all__ = ["Batch", "ReceivedVersion", "WeightReceiver"]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch of a version: ``items`` ((name, tensor) in the trainer's order), on ``stream`` (the
+    CUDA stream that waited for the trainer's writes; ``None`` on host pools)."""
+
+    index: int
+    items: list[tuple[str, Any]]
+    stream: Any
+    received: Any = field(default=None, repr=False)
+
+
+class ReceivedVersion:
+    """One version as it arrives: iterate :meth:`batches` (or the object itself for ``(name, tensor)``
+    pairs), then :meth:`release` (or leave the ``with`` block) to give it back.
+
+    A tensor is valid until released. When the trainer could not keep the whole version in its pool
+    (``keep`` false), batch ``i-1`` is given back as batch ``i`` is taken, so hold on to nothing of a
+    batch past the next one.
+    """
+
+    def __init__(self, receiver: "WeightReceiver", timeout: float | None, streams: list[Any]) -> None:
+        self._rx = receiver
+        self._timeout = timeout
+        self._streams = streams
+        self._held: list[Batch] = []
+        self.version: int | None = None
+        self.batches_total: int | None = None
+        self.applied = 0  # batches handed out so far
+        self._first: dict[str, Any] | None = None
+        self._done = False
+
+    def _recv(self, index: int) -> Batch:
+        torch = _torch()
+        stream = self._streams[index % len(self._streams)] if self._streams else None
+        while True:
+            batch = self._rx._ch.recv_many(timeout=self._timeout, stream=stream)
+            if not isinstance(batch, dict) or not batch:
+                release_all(batch)
+                raise ProtocolError("weight sync: a batch that is not a state dict")
+            meta = _check_meta(next(iter(batch.values())).meta, self._first)
+            if "abort" in meta:
+                release_all(batch)
+                if self._first is None and meta["version"] == self._rx.partial:
+                    continue  # the end of a version this engine already stopped reading: skip it
+                raise IncompleteVersionError(meta["version"], self.applied, self.batches_total or 0,
+                                             f"the trainer aborted: {meta['abort']}")
+            if self._first is None and meta["batch"] != 0:
+                release_all(batch)  # the rest of a version this engine stopped reading part-way
+                continue
+            if meta["batch"] != index:
+                release_all(batch)
+                raise ProtocolError(f"weight sync: batch {meta['batch']} where {index} was due")
+            break
+        if self._first is None:
+            self._first = meta
+            self.version, self.batches_total = meta["version"], meta["batches"]
+        dtypes = meta.get("dtypes", {})
+        if next(iter(batch.values())).device < 0:  # host memory (a host pool), whatever the engine's device
+            tensors = {n: torch.from_numpy(r.as_array()) for n, r in batch.items()}
+        else:
+            with torch.no_grad():
+                tensors = as_tensors(batch)
+        items = []
+        for name, t in tensors.items():
+            d = dtypes.get(name)
+            if d is not None:
+                want = getattr(torch, d)
+                if want.itemsize != t.element_size():
+                    release_all(batch)
+                    raise ProtocolError(f"weight sync: {name} travels as {t.dtype}, which is no {d}")
+                t = t.view(want) if t.dim() else t.reshape(1).view(want).reshape(())
+            items.append((name, t))
+        return Batch(index, items, stream, batch)
+
+    def batches(self) -> Iterator[Batch]:
+        """Each batch of the version as it arrives.
+
+        Raises:
+            IncompleteVersionError: the trainer aborted, the channel ended or a batch broke the protocol
+                after a first batch was handed out (``applied`` says how many).
+            ProtocolError, PeerClosedError, WaitTimeoutError: the same before any batch was handed out.
+        """
+        if self._done:
+            raise InvalidArgumentError("this version was read already")
+        index = 0
+        try:
+            while self.batches_total is None or index < self.batches_total:
+                try:
+                    b = self._recv(index)
+                except IncompleteVersionError:
+                    raise
+                except DmaBufError as exc:
+                    if self.applied == 0:
+                        raise
+                    raise IncompleteVersionError(self.version or 0, self.applied, self.batches_total or 0,
+                                                 f"{type(exc).__name__}: {exc}") from exc
+                self._held.append(b)
+                self.applied += 1
+                yield b
+                if not self._first["keep"] and len(self._held) > 1:  # type: ignore[index]
+                    old = self._held.pop(0)  # the trainer reuses its pool: give batch i-1 back
+                    old.items = []
+                    release_all(old.received)
+                index += 1
+        except IncompleteVersionError:
+            self._rx.partial = self.version
+            self.release()
+            raise
+        self._done = True
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for b in self.batches():
+            yield from b.items
+
+    def drain(self) -> None:
+        """Take and give back the rest of this version without using it (after the engine's loader failed
+        part-way), so that a trainer reusing its pool for the remaining buckets is not left waiting;
+        stops at the version's last batch, an abort, anything else, or the timeout."""
+        self.release()
+        last = (self.batches_total or 0) - 1
+        index = self.applied
+        while self.version is not None and index <= last:
+            try:
+                batch = self._rx._ch.recv_many(timeout=self._timeout)
+            except DmaBufError:
+                return
+            meta = next(iter(batch.values())).meta if isinstance(batch, dict) and batch else None
+            release_all(batch)
+            if (not isinstance(meta, dict) or meta.get("version") != self.version or "abort" in meta
+                    or meta.get("batch") == last):
+                return
+            index += 1
+
+    def release(self) -> None:
+        """Give back every batch still held (one stream synchronisation per stream)."""
+        held, self._held = self._held, []
+        rec = []
+        for b in held:
+            b.items = []
+            rec += b.received.values()
+        if rec:
+            release_all(rec)
+
+    def __enter__(self) -> "ReceivedVersion":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class WeightReceiver:
+    """The engine's end: a channel to the trainer's :class:`WeightPublisher`.
+
+    Args:
+        address: the publisher's address.
+        device: CUDA ordinal the engine's model is on (imports are mapped there); ``None`` for a host pool.
+        timeout: seconds to connect, and the default wait for a version (``None``: no limit).
+        wait: retry while nothing listens yet (an engine started before its trainer).
+        allow_uids, allow_gids: trainers allowed besides this uid.
+        streams: CUDA streams that batches are loaded on in turn (default: :data:`RECV_STREAMS` new ones on
+            ``device``, so one batch's copies overlap the next's hand-off and the copies of the batches
+            before it).
+
+    Raises:
+        SyscallError, PeerRefusedError, WaitTimeoutError: as :func:`~dmabuf_interop.channel.connect`.
+    """
+
+    def __init__(self, address: str, *, device: int | None = None, timeout: float | None = 60.0,
+                 wait: bool = False, allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
+                 streams: list[Any] | None = None) -> None:
+        self.host = device is None
+        self.device = device
+        self.timeout = timeout
+        if streams is None and not self.host:
+            torch = _torch()
+            streams = [torch.cuda.Stream(device) for _ in range(RECV_STREAMS)]
+        self._streams = list(streams or [])
+        self._ch = connect(address, timeout=timeout, device=device, wait=wait, allow_uids=allow_uids,
+                           allow_gids=allow_gids)
+        #: The last version received whole, and a version stopped part-way after it (``None``: none).
+        self.version: int | None = None
+        self.partial: int | None = None
+
+    def receive(self, *, timeout: float | None = None) -> ReceivedVersion:
+        """The next version, read batch by batch as it is iterated (``timeout`` per batch)."""
+        return ReceivedVersion(self, self.timeout if timeout is None else timeout, self._streams)
+
+    def load(self, load_weights: Callable[[list[tuple[str, Any]]], Any], *, timeout: float | None = None) -> int:
+        """Receive a version and hand each batch to ``load_weights`` (vLLM's and SGLang's
+        ``model.load_weights``: it copies), on the batch's stream; give the version back once every
+        copy is complete (a stream synchronisation). Returns the version.
+
+        Raises:
+            IncompleteVersionError: the version stopped part-way, or ``load_weights`` raised, after a first
+                batch was applied (``applied`` says how many; the model then mixes two versions).
+            ProtocolError: a batch broke the protocol before anything was applied (the peer's fault).
+            PeerClosedError: the trainer went before anything was applied.
+            WaitTimeoutError: no batch within ``timeout``.
+        """
+        torch = _torch()
+        rv = self.receive(timeout=timeout)
+        with rv:
+            for b in rv.batches():
+                try:
+                    if b.stream is not None:
+                        with torch.cuda.stream(b.stream), torch.no_grad():
+                            load_weights(b.items)
+                    else:
+                        with torch.no_grad():
+                            load_weights(b.items)
+                except Exception as exc:
+                    self.partial = rv.version
+                    rv.drain()
+                    reason = (f"load_weights raised {type(exc).__name__} on batch {b.index} (part of it may be "
+                              f"applied): {exc}")
+                    raise IncompleteVersionError(rv.version or 0, rv.applied - 1, rv.batches_total or 0,
+                                                 reason) from exc
+        self.version, self.partial = rv.version, None
+        return rv.version  # type: ignore[return-value]
+
+    def load_into(self, module: Any, *, timeout: float | None = None, strict: bool = True) -> int:
+        """Receive a version and copy it into ``module``'s parameters and buffers of the same names and
+        shapes, in place. Returns the version.
+
+        Raises:
+            IncompleteVersionError: a name the module lacks (``strict``), a shape that differs, or a version
+                that stopped part-way; ``applied`` says how many batches were copied before.
+        """
+        own = dict(module.named_parameters())
+        own.update(module.named_buffers())
+
+        def copy(items: list[tuple[str, Any]]) -> None:
+            for name, t in items:  # checked before any copy of the batch
+                p = own.get(name)
+                if p is None and strict:
+                    raise InvalidArgumentError(f"the module has no {name}")
+                if p is not None and tuple(p.shape) != tuple(t.shape):
+                    raise InvalidArgumentError(f"{name}: shape {tuple(t.shape)} for {tuple(p.shape)}")
+            for name, t in items:
+                if name in own:
+                    own[name].data.copy_(t, non_blocking=True)
+
+        return self.load(copy, timeout=timeout)
+
+    def close(self) -> None:
+        """Close the channel (a version still held is given back by the channel)."""
+        self._ch.close()
+
+    def __enter__(self) -> "WeightReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

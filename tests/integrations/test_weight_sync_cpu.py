@@ -1,0 +1,267 @@
+"""The weight-sync core over host pools: real sockets, a publisher and receivers in threads.
+
+What is checked: every version arrives whole and equal; a model larger than the pool goes in buckets
+through the same pool; several engines receive one version; a version that stops part-way is
+reported on both ends with how much was applied, and the next version still arrives; the peer's meta
+is checked; dtypes the wire lacks come back as themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="weight sync moves torch tensors; CI installs torch==2.13.0 (CPU)")
+
+from dmabuf_interop.channel import SharedPool, listen  # noqa: E402
+from dmabuf_interop.errors import IncompleteVersionError, InvalidArgumentError, ProtocolError  # noqa: E402
+from dmabuf_interop.weight_sync import WeightPublisher, WeightReceiver  # noqa: E402
+
+
+def _state(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.w": torch.randn(64, 48, generator=g).to(torch.bfloat16) for i in range(n)}
+    out["norm"] = torch.randn(48, generator=g)  # float32
+    out["scale"] = torch.tensor(float(seed)).to(torch.float8_e4m3fn)  # no wire name: travels as uint8
+    out["step"] = torch.tensor(seed, dtype=torch.int64)
+    return out
+
+
+class Engine(threading.Thread):
+    """Receives ``versions`` versions with ``load``, keeping a copy of each; errors kept, not raised."""
+
+    def __init__(self, address: str, versions: int, load=None) -> None:
+        super().__init__(daemon=True)
+        self.address, self.versions, self.load_fn = address, versions, load
+        self.got: dict[int, dict[str, torch.Tensor]] = {}
+        self.errors: list[BaseException] = []
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        with WeightReceiver(self.address, timeout=30, wait=True) as rx:
+            self.ready.set()
+            for _ in range(self.versions):
+                seen: dict[str, torch.Tensor] = {}
+
+                def load(items):
+                    if self.load_fn is not None:
+                        self.load_fn(items)
+                    for name, t in items:
+                        seen[name] = t.clone()
+
+                try:
+                    v = rx.load(load)
+                    self.got[v] = seen
+                except Exception as exc:  # noqa: BLE001 - the test reads it
+                    self.errors.append(exc)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8)
+                                        if a[k].dim() else a[k].reshape(1).view(torch.uint8),
+                                        b[k].view(torch.uint8) if b[k].dim() else b[k].reshape(1).view(torch.uint8))
+                                        for k in a)
+
+
+def test_versions_arrive_whole_and_staging_is_kept(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20, chunk_bytes=1 << 18) as pub:
+        eng = Engine(addr, 3)
+        eng.start()
+        pub.accept(timeout=30)
+        states = [_state(v) for v in range(3)]
+        reports = [pub.publish(s, v) for v, s in enumerate(states)]
+        eng.join(60)
+        pub.wait(30)
+        assert not eng.errors and sorted(eng.got) == [0, 1, 2]
+        for v, s in enumerate(states):
+            assert _equal(eng.got[v], s)
+        assert all(r.kept and r.engines == 1 and r.batches > 1 for r in reports)  # streamed in batches
+        assert reports[0].staged_bytes == reports[0].bytes  # ordinary tensors: one copy into the pool
+
+
+def test_a_model_larger_than_the_pool_goes_in_buckets_through_the_same_pool(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    state = {f"t{i}": torch.full((128, 256), i, dtype=torch.bfloat16) for i in range(16)}  # 16 x 64 KiB
+    with WeightPublisher(addr, max_bytes=256 << 10, chunk_bytes=64 << 10, stream_batches=1) as pub:
+        eng = Engine(addr, 2)
+        eng.start()
+        pub.accept(timeout=30)
+        reports = [pub.publish(state, v) for v in range(2)]
+        eng.join(60)
+        assert not eng.errors and _equal(eng.got[1], state)
+        assert not reports[0].kept and reports[0].batches >= 8  # at most half the pool per batch
+        assert pub.pool.capacity <= 256 << 10  # reused, never grown past max_bytes
+
+
+def test_several_engines_receive_the_same_version(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20) as pub:
+        engines = [Engine(addr, 1) for _ in range(3)]
+        for e in engines:
+            e.start()
+        for _ in engines:
+            pub.accept(timeout=30)
+        state = _state(7)
+        report = pub.publish(state, 7)
+        for e in engines:
+            e.join(60)
+            assert not e.errors and _equal(e.got[7], state)
+        assert report.engines == 3 and report.staged_bytes == report.bytes  # staged once for all three
+
+
+def test_parameters_in_the_pool_are_lent_not_copied(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
+        params = {f"p{i}": torch.from_numpy(pool.empty((256, 64), "float32")) for i in range(4)}
+        for i, p in enumerate(params.values()):
+            p.fill_(i)
+        with WeightPublisher(addr, pool=pool) as pub:
+            eng = Engine(addr, 1)
+            eng.start()
+            pub.accept(timeout=30)
+            report = pub.publish(params, 1)
+            eng.join(60)
+            assert report.staged_bytes == 0 and _equal(eng.got[1], params)
+
+
+def test_load_into_copies_in_place_and_refuses_a_stranger(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    module = torch.nn.Linear(32, 16)
+    trainer = torch.nn.Linear(32, 16)
+    out: dict[str, object] = {}
+
+    def engine():
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            out["v"] = rx.load_into(module)
+            try:
+                rx.load_into(module)
+            except IncompleteVersionError as exc:
+                out["err"] = exc
+                out["partial"] = rx.partial
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=1) as pub:
+        pub.accept(timeout=30)
+        weight = module.weight
+        pub.publish(trainer.state_dict(), 1)
+        pub.publish({"other.weight": torch.zeros(3)}, 2)
+        th.join(60)
+    assert out["v"] == 1 and module.weight is weight and torch.equal(module.weight, trainer.weight)
+    err = out["err"]
+    assert err.version == 2 and err.applied == 0 and "no other.weight" in err.reason and out["partial"] == 2
+
+
+def test_a_loader_that_fails_part_way_is_reported_and_the_next_version_arrives(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    calls = {"n": 0}
+
+    def flaky(items):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second batch of the first version
+            raise RuntimeError("engine out of memory")
+
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        eng = Engine(addr, 2, load=flaky)
+        eng.start()
+        pub.accept(timeout=30)
+        pub.publish(_state(1), 1)
+        pub.wait(30)  # the engine gave the broken version back
+        state = _state(2)
+        pub.publish(state, 2)
+        eng.join(60)
+    (err,) = eng.errors
+    assert isinstance(err, IncompleteVersionError) and err.version == 1 and err.applied == 1
+    assert "engine out of memory" in str(err) and err.batches > 2
+    assert list(eng.got) == [2] and _equal(eng.got[2], state)  # the rest of version 1 was skipped
+
+
+class _Exploding(torch.Tensor):
+    """Its copy into the pool fails: a trainer that breaks after a first batch went out."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("the trainer's tensor went bad")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_trainer_that_fails_part_way_tells_the_engines(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        eng = Engine(addr, 2)
+        eng.start()
+        pub.accept(timeout=30)
+        state = _state(3)
+        state["zzz"] = torch.ones(64, 48).as_subclass(_Exploding)  # last: after the first batches
+        with pytest.raises(IncompleteVersionError) as sent:
+            pub.publish(state, 3)
+        assert sent.value.applied >= 1 and "went bad" in sent.value.reason
+        pub.wait(30)
+        good = _state(4)
+        pub.publish(good, 4)
+        eng.join(60)
+    (err,) = eng.errors
+    assert isinstance(err, IncompleteVersionError) and err.version == 3 and 1 <= err.applied < err.batches
+    assert "the trainer aborted" in err.reason and _equal(eng.got[4], good)
+
+
+def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20, chunk_bytes=1 << 18) as pub:
+        with pytest.raises(InvalidArgumentError, match="no engine"):
+            pub.publish({"a": torch.zeros(2)}, 1)
+        eng = Engine(addr, 1)
+        eng.start()
+        pub.accept(timeout=30)
+        for bad, match in (({"a": [1, 2]}, "torch.Tensor"), ({"a": torch.zeros(2, dtype=torch.uint16)}, "dtype"),
+                           ({}, "empty"), ({"a": torch.zeros(2), "b": torch.zeros(2), "a ": 1}, "torch.Tensor"),
+                           ({n: torch.zeros(600 << 10, dtype=torch.uint8) for n in "xy"}, "twice its size")):
+            with pytest.raises(InvalidArgumentError, match=match):
+                pub.publish(bad, 1)
+        with pytest.raises(InvalidArgumentError, match="version"):
+            pub.publish({"a": torch.zeros(2)}, -1)
+        state = _state(5)
+        pub.publish(state, 5)  # nothing of the refused ones reached the engine
+        eng.join(60)
+        assert not eng.errors and _equal(eng.got[5], state)
+
+
+def test_a_batch_without_the_protocol_is_the_peers_fault(tmp_path):
+    addr = str(tmp_path / "w.sock")
+    with SharedPool(None, chunk_bytes=1 << 20, max_bytes=1 << 20) as pool, listen(addr, pool=pool) as lst:
+        out: dict[str, BaseException] = {}
+
+        def engine():
+            with WeightReceiver(addr, timeout=30, wait=True) as rx:
+                for _ in range(2):
+                    try:
+                        rx.load(lambda items: None)
+                    except Exception as exc:  # noqa: BLE001
+                        out.setdefault("first", exc) if "first" not in out else out.setdefault("second", exc)
+
+        th = threading.Thread(target=engine, daemon=True)
+        th.start()
+        ch = lst.accept(timeout=30)
+        ch.send_many({"w": pool.empty((4,), "float32")}, meta={"version": 1})
+        ch.send_many({"w": pool.empty((4,), "float32")}, meta={"weight_sync": 1, "version": 1, "batch": 0,
+                                                              "batches": 1, "keep": True, "dtypes": {"w": "evil"}})
+        th.join(30)
+        ch.close()
+    assert isinstance(out["first"], ProtocolError) and "weight-sync meta" in str(out["first"])
+    assert isinstance(out["second"], ProtocolError) and "dtype" in str(out["second"])
+
+
+def test_incomplete_version_error_pickles():
+    err = pickle.loads(pickle.dumps(IncompleteVersionError(3, 2, 9, "gone")))
+    assert (err.version, err.applied, err.batches, err.reason) == (3, 2, 9, "gone") and "2 of 9" in str(err)
+
+
+def test_no_fd_left_behind(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    test_versions_arrive_whole_and_staging_is_kept(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) <= before
