@@ -166,8 +166,6 @@ def test_a_forked_worker_cannot_allocate_from_the_parents_pool() -> None:
 # --------------------------------------------------------------------------- SIGPIPE
 
 
-@pytest.mark.xfail(reason="a consumer whose producer has exited is killed by SIGPIPE when it releases "
-                          "(sends without MSG_NOSIGNAL) where SIGPIPE has its default disposition", strict=True)
 def test_a_consumer_whose_producer_exited_is_not_killed_by_sigpipe(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
