@@ -466,6 +466,11 @@ class FrameReader:
             close_fds(fds)
         table.clear()
 
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet handed out (messages, or the beginning of one): while
+        any are, the next :meth:`read` may not need the socket to be readable."""
+        return len(self._buf) - self._pos
+
     def pending_fds(self) -> int:
         """Fds received and not yet handed out (they are closed by :meth:`discard`)."""
         return sum(len(fds) for fds, _ in self._fds.values())

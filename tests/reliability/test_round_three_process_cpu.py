@@ -97,8 +97,6 @@ def test_a_forked_worker_exiting_normally_leaves_the_parents_listener_alone(tmp_
     assert out["exists"] and out["accept"] == "ok" and out["consumer"].get("ok"), out
 
 
-@pytest.mark.xfail(reason="a worker forked after a channel is open breaks the parent's channel when it sends "
-                          "on it or closes it", strict=True)
 @pytest.mark.parametrize("action", ["send", "close"])
 def test_a_forked_worker_cannot_use_or_end_the_parents_channel(tmp_path: Path, action: str) -> None:
     addr = str(tmp_path / "s.sock")
@@ -141,7 +139,6 @@ def test_a_forked_worker_cannot_use_or_end_the_parents_channel(tmp_path: Path, a
         assert w.get("error") == "ForkedResourceError" and str(out["parent"]) in w["message"], out
 
 
-@pytest.mark.xfail(reason="a forked worker allocates from its parent's pool as if it owned it", strict=True)
 def test_a_forked_worker_cannot_allocate_from_the_parents_pool() -> None:
     def scenario() -> dict[str, Any]:
         pool = SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20)
@@ -335,8 +332,6 @@ def test_listen_binds_a_relative_name_from_a_deep_directory(tmp_path: Path, monk
 # --------------------------------------------------------------------------- close() from a signal handler
 
 
-@pytest.mark.xfail(reason="close() in a signal handler that interrupted send() waits on the send lock its own "
-                          "frame holds (close(None) deadlocks; the default takes 10 s)", strict=True)
 @pytest.mark.parametrize("timeout", [None, "default"])
 def test_close_from_a_signal_handler_during_send_is_prompt(tmp_path: Path, timeout: Any) -> None:
     addr = str(tmp_path / "s.sock")
@@ -386,8 +381,6 @@ def test_close_from_a_signal_handler_during_send_is_prompt(tmp_path: Path, timeo
 # --------------------------------------------------------------------------- a channel dropped without close()
 
 
-@pytest.mark.xfail(reason="a channel dropped without close() is kept alive by its own reader thread: its "
-                          "thread and fd stay, and the peer never sees the end", strict=True)
 def test_a_channel_dropped_without_close_is_closed_when_collected(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
