@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import socket
 import threading
+import time
 from typing import Any, Sequence
 
 from ..errors import ClosedError, DmaBufError, PeerClosedError, WaitTimeoutError
@@ -22,6 +23,7 @@ __all__ = ["Link", "SEND_TIMEOUT"]
 SEND_TIMEOUT = 60.0
 
 _get_ident = threading.get_ident
+_monotonic = time.monotonic
 
 
 class Link:
@@ -65,12 +67,12 @@ class Link:
         """Whether this thread holds the send lock (a ``close()`` inside its own interrupted send)."""
         return self.lock.locked() and self.owner == _get_ident()
 
-    def wait_for(self, deadline: float | None, now: float) -> float:
+    def wait_for(self, deadline: float | None) -> float:
         """The wait for a message to begin to leave by ``deadline`` (``time.monotonic()``, ``None``: none),
         at most :attr:`send_timeout`."""
         if deadline is None:
             return self.send_timeout
-        return max(0.0, min(deadline - now, self.send_timeout))
+        return max(0.0, min(deadline - _monotonic(), self.send_timeout))
 
     def send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False,
              timeout: float | None = None) -> None:

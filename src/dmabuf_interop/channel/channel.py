@@ -19,6 +19,18 @@ two threads of the channel's own: the *reader* (started by the first ``send``, o
 ``tcp://``), which from then on alone reads the socket, handles every message and ends the connection;
 and the *flusher* (started by the first release that cannot go out inline), which sends ``release``
 messages gathered for :data:`RELEASE_DELAY`. Both are daemon threads and exit when the connection ends.
+Neither holds the :class:`Channel`: the reader holds the parts of the connection (:class:`_Conn`) and a
+weak reference, and waits for the socket (``poll``) with no strong one, so a channel dropped unclosed is
+collected, as a ``socket.socket`` is (see Finalizers).
+
+Flow. The reader queues arrived arrays for ``recv``; at :attr:`Channel.max_queued` of them it parks the
+next array message (already read) and stops reading the socket, so the peer's socket buffer fills and
+its ``send`` waits, then times out with none of its message sent. It waits, holding no lock, on an
+eventfd that ``recv`` writes when it takes an array from a full queue (only then: ``parked`` is set under
+``_state``), and on the socket's hang-up (``POLLRDHUP``/``POLLHUP``): the peer's end, or this end's
+shutdown, which is seen at once, and then everything left is read whatever the bound (the peer can send
+no more). Releases and retires that the peer sent behind those arrays wait for room too (one ordered
+stream).
 
 Who owns what. ``_read_lock``: whoever reads the socket (``recv`` in the caller's thread, or the reader
 for good); it alone touches ``_frames``, ``_imports`` (``chunk id -> imported chunk``) and
@@ -40,19 +52,43 @@ start the flusher thread, and never blocks on the send lock. It can run in a thr
 ``_state`` (the reader allocates while handling a message), which is why ``_state`` is a Condition over
 a re-entrant lock (the default) and why :class:`ConnectionState` tolerates ``released()`` between two
 steps of ``receive()``. A view's :class:`~.arrays.ChunkRef` dropped last unmaps its chunk (``munmap``,
-``cuMemUnmap``) in whatever thread drops it. A finalizer never sends, never waits on the socket, and
-never takes ``_read_lock`` or ``_send_lock`` blocking.
+``cuMemUnmap``) in whatever thread drops it. A :class:`Channel` collected unclosed (``weakref.finalize``:
+:func:`_collected`; not at interpreter exit) warns (``ResourceWarning``), marks itself closed under
+``_state``, shuts the socket down (the peer sees the end at once; no ``bye``, which would be a send) and,
+when no reader runs, starts a thread that ends the connection; else the reader, woken by the shutdown,
+finds the channel gone and ends it with the parts it holds. A finalizer never sends, never waits on the
+socket, and never takes ``_read_lock`` or ``_send_lock`` blocking.
+
+Signals. Python runs a signal handler in the main thread between two bytecodes, possibly inside that
+thread's own ``send`` (holding ``_send_lock``, waiting in ``poll`` for a peer that stopped reading), its
+``recv`` (holding ``_read_lock``) or a step under ``_state``. A ``close()`` in the handler must not wait
+for those: the :class:`._link.Link` records the thread that holds the send lock (``owner``), ``recv`` the
+one that reads (``_read_owner``), and the RLock knows its own. Then ``close()`` marks the channel closed,
+shuts the socket down (the interrupted call fails at once when the handler returns, with
+:class:`~..errors.ClosedError`; no ``bye``: the stream may be mid-message) and leaves the end to the
+reader (started if need be) or to the interrupted ``recv``, which runs it once the interrupted call lets go.
 
 fork(). Nothing here runs at fork: a child has none of the channel's threads, and its locks may be
-held by threads that are gone. A forked child must not use a channel (or a pool) of its parent; it
-opens its own (``connect`` after the fork). A child forked after ``cuInit`` cannot use CUDA
-(:class:`~..errors.ForkedAfterInitError`); host pools, and channels that map no device chunk, never
-initialise CUDA, so a process that forks workers should make them before any device pool.
+held by threads that are gone. Channels, pools and NIXL agents record the pid that made them
+(:data:`.._forks.pid`, kept current by an at-fork hook: no ``getpid`` per message). In another process
+``send``/``recv``/``alloc`` raise :class:`~..errors.ForkedResourceError` naming the owner; ``close()``
+takes no lock, sends no ``bye``, shuts nothing down and only closes this process's copies of the fds; a
+:class:`~.received.Hold` released or collected there sends no release, a pool closed there retires
+nothing on the parent's channels. At fork the child forgets the registries: ``LIVE_POOLS`` (an inherited
+pool gets a new lock and releases nothing at the child's exit), the segment chunks, the NIXL agents
+(closed without a NIXL call and never destroyed there). A forked child opens its own (``connect`` after
+the fork). A child forked after ``cuInit`` cannot use CUDA (:class:`~..errors.ForkedAfterInitError`);
+host pools, and channels that map no device chunk, never initialise CUDA, so a process that forks
+workers should make them before any device pool.
 
 Speed tricks here, measured and load-bearing: the inline release (:data:`RELEASE_GAP`,
 :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not during it); reading in
 the caller's thread on a receive-only channel (no hand-over between threads); notifying ``_state`` only
 when a ``recv`` waits on it; the flusher's own ``Event`` (it never competes with ``recv`` for the GIL).
+Per message, the fork check, the send lock's ``owner`` and the queue bound cost a few attribute reads and
+stores (under a microsecond). The reader polls before it reads when nothing is buffered: a message that
+finds it waiting costs ``poll`` + ``recvmsg`` (it was ``recvmsg`` -> ``EAGAIN``, ``poll``, ``recvmsg``), one
+already waiting a ``poll`` more.
 """
 
 from __future__ import annotations
@@ -244,13 +280,14 @@ def _collected(conn: _Conn) -> None:
     end at once); the reader, woken by the shutdown, ends the connection, or a thread started here does."""
     if conn.owner != _forks.pid or conn.proto.closed_here:
         return  # inherited through fork(): the parent's; its fds go with this process
-    warnings.warn(f"unclosed {conn.name}", ResourceWarning, stacklevel=2)
+    if not conn.proto.ended:  # (one that ended holds no socket: only its queue and carrier are left)
+        warnings.warn(f"unclosed {conn.name}", ResourceWarning, stacklevel=2)
     with conn.state:
         conn.proto.close()
         conn.finish_here = True
         conn.state.notify_all()
     shut_down(conn.sock)
-    if not conn.has_reader:
+    if conn.proto.ended or not conn.has_reader:
         try:
             threading.Thread(target=_end_unread, args=(conn,), name="dmabuf-interop-channel-end", daemon=True).start()
         except RuntimeError:  # interpreter shutdown: the process's exit closes the socket
@@ -258,9 +295,13 @@ def _collected(conn: _Conn) -> None:
 
 
 def _end_unread(conn: _Conn) -> None:
+    """End a collected channel that no reader will end: none ran, or the connection had ended already."""
     with conn.read_lock:
         if not conn.proto.ended:
             _end_connection(conn)
+        else:
+            _drop_queue(conn)
+            conn.carrier.close()
 
 
 class Channel:
@@ -370,12 +411,12 @@ class Channel:
         if self._proto.is_announced(chunk.id):
             return
         link = self._link
-        if not link.acquire(link.wait_for(deadline, time.monotonic())):
+        if not link.acquire(link.wait_for(deadline)):
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
                 with self._carrier.announce(block) as (msg, fds):
-                    link.send_locked(msg, fds, timeout=link.wait_for(deadline, time.monotonic()))
+                    link.send_locked(msg, fds, timeout=link.wait_for(deadline))
                 self._proto.chunk_announced(chunk.id)
         finally:
             link.release()
@@ -490,7 +531,7 @@ class Channel:
         try:
             if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
                 link = self._link
-                wait = link.wait_for(deadline, time.monotonic())
+                wait = link.wait_for(deadline)
                 link.send({"kind": "array", "lease": lease.id,
                            "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
             else:
@@ -513,12 +554,12 @@ class Channel:
         the message must begin to leave (``None``: :data:`SEND_TIMEOUT`)."""
         link = self._link
         if memo is not None:
-            if not link.acquire(link.wait_for(deadline, time.monotonic())):
+            if not link.acquire(link.wait_for(deadline)):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
                 if self._memos.is_current(memo):
                     link.send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
-                                      "event": ev64, "meta": meta}, timeout=link.wait_for(deadline, time.monotonic()))
+                                      "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
                     return
             finally:
                 link.release()
@@ -526,7 +567,7 @@ class Channel:
                                p.dtype) for p in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
-        if not link.acquire(link.wait_for(deadline, time.monotonic())):
+        if not link.acquire(link.wait_for(deadline)):
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:
             choice = self._proto.choose_layout(key, single=mapping is None)
@@ -534,16 +575,16 @@ class Channel:
                 if memo is not None:
                     self._memos.remember(memo, choice.id)
                 link.send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
-                                  "event": ev64, "meta": meta}, timeout=link.wait_for(deadline, time.monotonic()))
+                                  "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
             try:
                 if mapping is None:
                     link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
-                                     timeout=link.wait_for(deadline, time.monotonic()))
+                                     timeout=link.wait_for(deadline))
                 else:
                     link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
-                                      "layout": choice.id}, timeout=link.wait_for(deadline, time.monotonic()))
+                                      "layout": choice.id}, timeout=link.wait_for(deadline))
             except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
                 if isinstance(exc, ClosedError):
                     raise
@@ -710,9 +751,13 @@ class Channel:
             if msg.get("kind") in _ARRAY_KINDS and not self._proto.over:
                 with self._state:
                     if conn.wake_fd < 0:
-                        conn.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-                    conn.parked = (msg, fds)  # the socket stays unread: the peer's sends wait
-                return True
+                        try:
+                            conn.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                        except OSError:  # no fd left (EMFILE): this one is queued beyond the bound
+                            pass
+                    if conn.wake_fd >= 0:
+                        conn.parked = (msg, fds)  # the socket stays unread: the peer's sends wait
+                        return True
         self._take(msg, fds)
         return True
 
