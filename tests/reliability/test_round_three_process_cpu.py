@@ -378,6 +378,48 @@ def test_close_from_a_signal_handler_during_send_is_prompt(tmp_path: Path, timeo
     assert out["send_ended"] != "no error", out
 
 
+def test_close_from_a_signal_handler_during_recv_is_prompt(tmp_path: Path) -> None:
+    """The same kind as above, on the receiving side: a recv() that reads in its caller's thread holds the
+    read lock when the handler runs."""
+    addr = str(tmp_path / "s.sock")
+
+    def scenario() -> dict[str, Any]:
+        lst = listen(addr)
+        t, out = connect_in_thread(addr, timeout=3)
+        prod = lst.accept(timeout=3)
+        t.join(3)
+        cons = out["channel"]
+        closed_in: list[float] = []
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            t0 = time.monotonic()
+            cons.close(None)
+            closed_in.append(time.monotonic() - t0)
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.monotonic()
+        try:
+            cons.recv(None)  # nothing comes: the handler closes it
+            end = "received"
+        except BaseException as exc:  # noqa: BLE001
+            end = type(exc).__name__
+        took = time.monotonic() - t0
+        try:
+            prod.recv(2)
+            peer = "received"
+        except BaseException as exc:  # noqa: BLE001
+            peer = type(exc).__name__
+        prod.close()
+        lst.close()
+        return {"closed_in": closed_in, "recv_ended": end, "took": took, "peer": peer,
+                "fds_closed": cons._sock.fileno() == -1}
+
+    out = bounded(scenario, 4)
+    assert out["closed_in"] and out["closed_in"][0] < 1.0 and out["took"] < 1.5, out
+    assert out["recv_ended"] == "ClosedError" and out["peer"] == "PeerClosedError" and out["fds_closed"], out
+
+
 # --------------------------------------------------------------------------- a channel dropped without close()
 
 
