@@ -11,7 +11,9 @@ Callers branch on meaning, not on strings::
     │   └── ForkedAfterInitError       CUDA was initialised before this process was forked
     ├── InvalidArgumentError           bad input caught in user space before any driver call
     │   ├── NotADmaBufError            the fd is not a dma-buf (or not an open fd at all)
-    │   └── AlignmentError             a base or size breaks the page-alignment rule
+    │   ├── AlignmentError             a base or size breaks the page-alignment rule
+    │   ├── ForkedResourceError        a channel or pool inherited through fork(): its owner pid alone uses it
+    │   └── ClosedError                this end closed the channel (not the peer: see PeerClosedError)
     ├── SyscallError                   a system call failed (names the call and the errno)
     ├── FdPassError                    SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError            the peer closed its end (EOF)
@@ -51,6 +53,8 @@ __all__ = [
     "InvalidArgumentError",
     "NotADmaBufError",
     "AlignmentError",
+    "ForkedResourceError",
+    "ClosedError",
     "SyscallError",
     "FdPassError",
     "PeerClosedError",
@@ -145,6 +149,31 @@ class NotADmaBufError(InvalidArgumentError):
 
 class AlignmentError(InvalidArgumentError):
     """A base address, offset or size breaks the page-alignment rule."""
+
+
+class ForkedResourceError(InvalidArgumentError):
+    """A channel, listener or pool was used in a process that inherited it through ``fork()``.
+
+    Only the process that created it may use it, shut it down or unlink it; in a forked child it is inert
+    (its ``close()`` only drops this process's copies of the fds). Open a new one after the fork.
+
+    Attributes:
+        owner_pid: the pid of the process that created it.
+    """
+
+    def __init__(self, what: str, owner_pid: int) -> None:
+        self.what = what
+        self.owner_pid = owner_pid
+        super().__init__(f"{what} belongs to process {owner_pid}; this process inherited it through fork() "
+                         f"and may not use it")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.what, self.owner_pid)
+
+
+class ClosedError(InvalidArgumentError):
+    """This end closed the channel (its own ``close()``), and then a call used it; not the peer's doing,
+    which is a :class:`PeerClosedError`."""
 
 
 class SyscallError(DmaBufError, OSError):

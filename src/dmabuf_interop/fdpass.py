@@ -116,6 +116,9 @@ def _timeout_mode(sock: socket.socket) -> bool:
 
 # Plain ints: socket's flags are enums, and combining enums costs more than the syscall.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+# Every send: a peer that has gone is EPIPE (PeerClosedError), never a SIGPIPE that kills the process
+# under the default disposition; the process's signal dispositions are left as the host program set them.
+_SEND_FLAGS = int(socket.MSG_DONTWAIT) | int(socket.MSG_NOSIGNAL)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _CTRUNC = int(socket.MSG_CTRUNC)
 _STREAM = int(socket.SOCK_STREAM)
@@ -194,9 +197,11 @@ def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
     _wait(sock, select.POLLOUT, deadline, "timed out sending a message: the peer is not reading (socket buffer full)")
 
 
-def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline: float | None) -> None:
+def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline: float | None,
+              rest_timeout: float | None = None) -> None:
     """Send ``data`` (``fds`` on its first byte) between ``poll(POLLOUT)`` waits; a message cut off
-    after its first byte marks a stream connection broken for sending."""
+    after its first byte marks a stream connection broken for sending. ``rest_timeout``: once part of
+    the message has gone, the rest has that many seconds of its own instead of ``deadline``."""
     _check_in_step(sock, _broken_send, "send")
     view = memoryview(data)
     pending_fd = fds or None
@@ -209,14 +214,16 @@ def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline:
                 if pending_fd is not None:
                     rights = array.array("i", pending_fd)
                     sent = sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
-                                       _DONTWAIT)
+                                       _SEND_FLAGS)
                     pending_fd = None
                 else:
-                    sent = sock.send(view, _DONTWAIT)
+                    sent = sock.send(view, _SEND_FLAGS)
             except BlockingIOError:
                 _wait_writable(sock, deadline)
                 continue
             view = view[sent:]
+            if view and rest_timeout is not None:  # begun: the rest has its own time
+                deadline, rest_timeout = _deadline(rest_timeout), None
     except BaseException as exc:
         if len(view) < len(data) and _type(sock) == _STREAM:
             _broken_send[sock] = f"{len(data) - len(view)} of {len(data)} bytes sent, then {exc}"
@@ -237,7 +244,8 @@ def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline:
 
 
 def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *,
-                 timeout: float | None = DEFAULT_TIMEOUT, max_bytes: int = MAX_MESSAGE) -> None:
+                 timeout: float | None = DEFAULT_TIMEOUT, max_bytes: int = MAX_MESSAGE,
+                 rest_timeout: float | None = None) -> None:
     """Send one framed JSON message, with ``fd`` attached (``SCM_RIGHTS``) when given.
 
     ``fd`` may also be a sequence of up to 253 fds (``SCM_MAX_FD``), all riding on
@@ -251,6 +259,12 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
         timeout: seconds the whole message may take to leave (default
             :data:`DEFAULT_TIMEOUT`, 60 s); ``None`` waits forever.
         max_bytes: the largest JSON body allowed (default :data:`MAX_MESSAGE`, 64 KiB).
+        rest_timeout: when given, ``timeout`` bounds only the wait for the message to begin to
+            leave, and the rest, once begun, has ``rest_timeout`` seconds of its own; so a
+            ``WaitTimeoutError`` within ``timeout`` means none of the message went out.
+
+    Send flags are ``MSG_DONTWAIT | MSG_NOSIGNAL``: a peer that has gone is ``PeerClosedError``,
+    never a ``SIGPIPE``, whatever the process's signal disposition.
 
     Raises:
         InvalidArgumentError: not an AF_UNIX socket, bad message, a bad fd, or more than 253 fds.
@@ -274,7 +288,7 @@ def send_message(sock: socket.socket, obj: dict[str, Any], fd: int | Sequence[in
         bad = next((f for f in fds if isinstance(f, bool) or not isinstance(f, int) or f < 0), None)
         if bad is not None or not fds:
             raise InvalidArgumentError(f"fd {fd!r} is not a valid file descriptor")
-    _send_all(sock, data, fds, _deadline(timeout))
+    _send_all(sock, data, fds, _deadline(timeout), rest_timeout)
 
 
 def close_fds(fds: list[int]) -> None:
@@ -451,6 +465,11 @@ class FrameReader:
         for fds, _ in table.values():
             close_fds(fds)
         table.clear()
+
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet handed out (messages, or the beginning of one): while
+        any are, the next :meth:`read` may not need the socket to be readable."""
+        return len(self._buf) - self._pos
 
     def pending_fds(self) -> int:
         """Fds received and not yet handed out (they are closed by :meth:`discard`)."""

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmabuf_interop.channel import SharedPool, connect, listen, release_all
-from dmabuf_interop.errors import (CudaError, InvalidArgumentError, NoDriverError, PeerClosedError, PeerRefusedError,
-                                   PoolExhaustedError, WaitTimeoutError)
+from dmabuf_interop.errors import (ClosedError, CudaError, InvalidArgumentError, NoDriverError, PeerClosedError,
+                                   PeerRefusedError, PoolExhaustedError, WaitTimeoutError)
 from dmabuf_interop.fd import open_fds
 
 from tests.helpers import env_with_src
@@ -755,8 +755,8 @@ def test_close_does_not_wait_for_a_send_stuck_on_a_peer_that_stopped_reading(add
     time.sleep(0.5)  # stuck: the consumer is not reading
     t0 = time.monotonic()
     prod.close(timeout=0.5)
-    with pytest.raises(PeerClosedError):
-        sending(5)  # ended under it
+    with pytest.raises(ClosedError):
+        sending(5)  # ended under it, by this end: not the peer's doing
     assert time.monotonic() - t0 < 5 and prod.closed and prod.outstanding == 0  # every lease completed
     with pytest.raises(PeerClosedError):
         cons.recv_many(30)
@@ -1061,7 +1061,7 @@ def test_close_drops_arrays_that_were_not_received_and_unmaps_their_chunks(addr:
         (chunk,) = cons._queue[0].chunks.values()
         cons.close()
         assert chunk.refs == 0 and chunk.retired and chunk.buf.closed
-        with pytest.raises(PeerClosedError):
+        with pytest.raises(ClosedError):  # closed by this end: not the peer's doing
             cons.recv(1)
         lease.wait(5)
         assert lease.reason in ("disconnected", "closed")

@@ -101,12 +101,14 @@ ERRORS = [
     errors.ProtocolError("bad frame"),
     errors.FdLimitError("dropped"),
     errors.WaitTimeoutError("timed out"),
+    errors.ForkedResourceError("this channel", 4242),
+    errors.ClosedError("this end closed the channel"),
 ]
 
 
 def _same(a: BaseException, b: BaseException) -> None:
     assert type(a) is type(b) and str(a) == str(b)
-    for attr in ("call", "result", "code", "detail", "reason", "errno", "strerror", "filename"):
+    for attr in ("call", "result", "code", "detail", "reason", "errno", "strerror", "filename", "owner_pid"):
         assert getattr(a, attr, None) == getattr(b, attr, None), attr
 
 

@@ -49,8 +49,6 @@ def pool():
 # --------------------------------------------------------------------------- backpressure
 
 
-@pytest.mark.xfail(reason="a consumer that stops calling recv() buffers every message without bound; the "
-                          "producer is never pushed back", strict=True)
 def test_a_consumer_that_stops_receiving_pushes_the_producer_back(addr: str) -> None:
     limit = 20000
 
@@ -264,8 +262,6 @@ def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
 # --------------------------------------------------------------------------- errors that say what happened
 
 
-@pytest.mark.xfail(reason="send/recv after this end's own close() raise PeerClosedError, which blames the peer",
-                   strict=True)
 def test_send_and_recv_after_this_ends_close_raise_a_closed_error(addr: str, pool: SharedPool) -> None:
     lst, prod, cons = local_pair(addr, pool=pool)
     prod.close()

@@ -8,9 +8,10 @@ from __future__ import annotations
 import copy
 import socket
 import threading
+import time
 from typing import Any, Sequence
 
-from ..errors import DmaBufError, PeerClosedError, WaitTimeoutError
+from ..errors import ClosedError, DmaBufError, PeerClosedError, WaitTimeoutError
 from ..fdpass import _broken_send, send_message
 from ._state import ConnectionState
 from .wire import send_frame, shut_down
@@ -21,10 +22,15 @@ __all__ = ["Link", "SEND_TIMEOUT"]
 #: off part-way ends the connection.
 SEND_TIMEOUT = 60.0
 
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
+
 
 class Link:
     """Sends on one connected socket (AF_UNIX, or TCP with no fd). ``lock`` is the channel's send lock:
-    whoever holds it may call :meth:`send_locked`; :meth:`send` takes it.
+    whoever holds it may call :meth:`send_locked`; :meth:`send` takes it. ``owner`` is the thread that
+    took it through :meth:`acquire` or sends under it (``0``: none known), so that a ``close()`` called
+    inside that thread's own send (a signal handler) knows not to wait for it.
 
     Args:
         sock: the socket (the channel owns it and closes it).
@@ -37,28 +43,79 @@ class Link:
         self.proto = proto
         self.send_timeout = send_timeout
         self.lock = threading.Lock()
+        self.owner = 0
 
-    def send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False) -> None:
-        with self.lock:
-            self.send_locked(obj, fd, essential=essential)
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes)."""
+        if self.lock.acquire(True, -1 if timeout is None else timeout):
+            self.owner = _get_ident()
+            return True
+        return False
+
+    def try_acquire(self) -> bool:
+        """Take the send lock if it is free."""
+        if self.lock.acquire(False):
+            self.owner = _get_ident()
+            return True
+        return False
+
+    def release(self) -> None:
+        self.owner = 0
+        self.lock.release()
+
+    def held_here(self) -> bool:
+        """Whether this thread holds the send lock (a ``close()`` inside its own interrupted send)."""
+        return self.lock.locked() and self.owner == _get_ident()
+
+    def wait_for(self, deadline: float | None) -> float:
+        """The wait for a message to begin to leave by ``deadline`` (``time.monotonic()``, ``None``: none),
+        at most :attr:`send_timeout`."""
+        if deadline is None:
+            return self.send_timeout
+        return max(0.0, min(deadline - _monotonic(), self.send_timeout))
+
+    def send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False,
+             timeout: float | None = None) -> None:
+        """:meth:`send_locked` under the lock; ``timeout`` bounds the wait for the lock as well.
+
+        Raises: as :meth:`send_locked`; WaitTimeoutError: another thread's send held the lock past ``timeout``.
+        """
+        if not self.acquire(timeout):
+            raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
+        try:
+            self.send_locked(obj, fd, timeout, essential=essential)
+        finally:
+            self.release()
 
     def send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None,
-                    timeout: float | None = None, *, essential: bool = False) -> None:
+                    timeout: float | None = None, *, essential: bool = False, whole: bool = False) -> None:
         """Send one message (the caller holds the send lock), waiting at most ``timeout`` seconds
-        (default :attr:`send_timeout`) for the peer to take it. ``essential``: a ``release`` or
+        (default :attr:`send_timeout`) for it to begin to leave; once begun, the rest has
+        :attr:`send_timeout` (``whole``: ``timeout`` bounds the whole message). So a ``WaitTimeoutError``
+        means none of it went out, and the connection is as it was. ``essential``: a ``release`` or
         ``retire``, which the peer must not miss while the connection lasts (its blocks would stay
-        lent, or its mapping kept): one the peer took none of ends the connection too."""
+        lent, or its mapping kept): one the peer took none of ends the connection too.
+
+        Raises:
+            ClosedError: this end closed the channel (also while the message was going out).
+            PeerClosedError: the connection has ended, or the message was cut off (the connection is ended).
+            WaitTimeoutError: none of the message went out within ``timeout``.
+        """
         if not self.proto.can_send or self.sock in _broken_send:
             raise self.ended()
+        self.owner = _get_ident()
         wait = self.send_timeout if timeout is None else timeout
+        rest = None if whole else self.send_timeout
         try:
             if fd is None:
-                send_frame(self.sock, obj, wait)
+                send_frame(self.sock, obj, wait, rest)
             else:
-                send_message(self.sock, obj, fd, timeout=wait)
+                send_message(self.sock, obj, fd, timeout=wait, rest_timeout=rest)
         except BaseException as exc:
             cut = self.sock in _broken_send
             if not (cut or (essential and isinstance(exc, WaitTimeoutError))):
+                if self.proto.closed_here and isinstance(exc, DmaBufError):
+                    raise ClosedError("this end closed the channel while the message was going out") from exc
                 raise  # nothing of the message went out: the connection is as it was
             # Cut off after its first byte (a peer that stopped reading, or an interrupt), the stream
             # is out of step for good; or an essential message could not go. End it: the peer sees the
@@ -68,19 +125,21 @@ class Link:
             shut_down(self.sock)  # (we hold the send lock, under which _end closes the socket)
             if not isinstance(exc, DmaBufError):
                 raise  # (KeyboardInterrupt and the like stay what they are)
+            if self.proto.closed_here:
+                raise ClosedError("this end closed the channel while the message was going out") from exc
             what = "was cut off" if cut else "could not go"
             raise PeerClosedError(f"the {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
                                   f"ended") from exc
 
-    def ended(self) -> PeerClosedError:
-        """The error for a call on a channel that has ended, saying how it ended, chained to the cause."""
+    def ended(self) -> DmaBufError:
+        """The error for a call on a channel that has ended, saying how it ended, chained to the cause:
+        :class:`ClosedError` when this end closed it, else :class:`PeerClosedError`."""
         err = self.proto.error
         if self.proto.closed_here:
-            why = "the channel is closed"
+            exc: DmaBufError = ClosedError("this end closed the channel")
         elif err is None or isinstance(err, PeerClosedError):
-            why = "the peer closed the channel"
+            exc = PeerClosedError("the peer closed the channel")
         else:  # a failure here (no fd left to map a chunk, a message cut off), not the peer's doing
-            why = f"the connection ended on an error: {type(err).__name__}: {err}"
-        exc = PeerClosedError(why)
+            exc = PeerClosedError(f"the connection ended on an error: {type(err).__name__}: {err}")
         exc.__cause__ = err
         return exc

@@ -36,7 +36,6 @@ class ReleaseQueue:
     def __init__(self, link: Any, cond: threading.Condition, proto: Any) -> None:
         self._link = link
         self._cond = cond
-        self._send_lock = link.lock
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
         self._last_flush = 0.0  # time.monotonic() of the last release message
@@ -57,11 +56,11 @@ class ReleaseQueue:
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
         # Non-blocking: while another thread sends, the flusher takes this one.
-        if inline and self._send_lock.acquire(blocking=False):
+        if inline and self._link.try_acquire():
             try:
                 self.flush(send_lock_held=True)
             finally:
-                self._send_lock.release()
+                self._link.release()
             return
         with self._cond:
             if self._flusher is None:

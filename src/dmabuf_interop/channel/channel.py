@@ -19,6 +19,18 @@ two threads of the channel's own: the *reader* (started by the first ``send``, o
 ``tcp://``), which from then on alone reads the socket, handles every message and ends the connection;
 and the *flusher* (started by the first release that cannot go out inline), which sends ``release``
 messages gathered for :data:`RELEASE_DELAY`. Both are daemon threads and exit when the connection ends.
+Neither holds the :class:`Channel`: the reader holds the parts of the connection (:class:`_Conn`) and a
+weak reference, and waits for the socket (``poll``) with no strong one, so a channel dropped unclosed is
+collected, as a ``socket.socket`` is (see Finalizers).
+
+Flow. The reader queues arrived arrays for ``recv``; at :attr:`Channel.max_queued` of them it parks the
+next array message (already read) and stops reading the socket, so the peer's socket buffer fills and
+its ``send`` waits, then times out with none of its message sent. It waits, holding no lock, on an
+eventfd that ``recv`` writes when it takes an array from a full queue (only then: ``parked`` is set under
+``_state``), and on the socket's hang-up (``POLLRDHUP``/``POLLHUP``): the peer's end, or this end's
+shutdown, which is seen at once, and then everything left is read whatever the bound (the peer can send
+no more). Releases and retires that the peer sent behind those arrays wait for room too (one ordered
+stream).
 
 Who owns what. ``_read_lock``: whoever reads the socket (``recv`` in the caller's thread, or the reader
 for good); it alone touches ``_frames``, ``_imports`` (``chunk id -> imported chunk``) and
@@ -40,19 +52,43 @@ start the flusher thread, and never blocks on the send lock. It can run in a thr
 ``_state`` (the reader allocates while handling a message), which is why ``_state`` is a Condition over
 a re-entrant lock (the default) and why :class:`ConnectionState` tolerates ``released()`` between two
 steps of ``receive()``. A view's :class:`~.arrays.ChunkRef` dropped last unmaps its chunk (``munmap``,
-``cuMemUnmap``) in whatever thread drops it. A finalizer never sends, never waits on the socket, and
-never takes ``_read_lock`` or ``_send_lock`` blocking.
+``cuMemUnmap``) in whatever thread drops it. A :class:`Channel` collected unclosed (``weakref.finalize``:
+:func:`_collected`; not at interpreter exit) warns (``ResourceWarning``), marks itself closed under
+``_state``, shuts the socket down (the peer sees the end at once; no ``bye``, which would be a send) and,
+when no reader runs, starts a thread that ends the connection; else the reader, woken by the shutdown,
+finds the channel gone and ends it with the parts it holds. A finalizer never sends, never waits on the
+socket, and never takes ``_read_lock`` or ``_send_lock`` blocking.
+
+Signals. Python runs a signal handler in the main thread between two bytecodes, possibly inside that
+thread's own ``send`` (holding ``_send_lock``, waiting in ``poll`` for a peer that stopped reading), its
+``recv`` (holding ``_read_lock``) or a step under ``_state``. A ``close()`` in the handler must not wait
+for those: the :class:`._link.Link` records the thread that holds the send lock (``owner``), ``recv`` the
+one that reads (``_read_owner``), and the RLock knows its own. Then ``close()`` marks the channel closed,
+shuts the socket down (the interrupted call fails at once when the handler returns, with
+:class:`~..errors.ClosedError`; no ``bye``: the stream may be mid-message) and leaves the end to the
+reader (started if need be) or to the interrupted ``recv``, which runs it once the interrupted call lets go.
 
 fork(). Nothing here runs at fork: a child has none of the channel's threads, and its locks may be
-held by threads that are gone. A forked child must not use a channel (or a pool) of its parent; it
-opens its own (``connect`` after the fork). A child forked after ``cuInit`` cannot use CUDA
-(:class:`~..errors.ForkedAfterInitError`); host pools, and channels that map no device chunk, never
-initialise CUDA, so a process that forks workers should make them before any device pool.
+held by threads that are gone. Channels, pools and NIXL agents record the pid that made them
+(:data:`.._forks.pid`, kept current by an at-fork hook: no ``getpid`` per message). In another process
+``send``/``recv``/``alloc`` raise :class:`~..errors.ForkedResourceError` naming the owner; ``close()``
+takes no lock, sends no ``bye``, shuts nothing down and only closes this process's copies of the fds; a
+:class:`~.received.Hold` released or collected there sends no release, a pool closed there retires
+nothing on the parent's channels. At fork the child forgets the registries: ``LIVE_POOLS`` (an inherited
+pool gets a new lock and releases nothing at the child's exit), the segment chunks, the NIXL agents
+(closed without a NIXL call and never destroyed there). A forked child opens its own (``connect`` after
+the fork). A child forked after ``cuInit`` cannot use CUDA (:class:`~..errors.ForkedAfterInitError`);
+host pools, and channels that map no device chunk, never initialise CUDA, so a process that forks
+workers should make them before any device pool.
 
 Speed tricks here, measured and load-bearing: the inline release (:data:`RELEASE_GAP`,
 :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not during it); reading in
 the caller's thread on a receive-only channel (no hand-over between threads); notifying ``_state`` only
 when a ``recv`` waits on it; the flusher's own ``Event`` (it never competes with ``recv`` for the GIL).
+Per message, the fork check, the send lock's ``owner`` and the queue bound cost a few attribute reads and
+stores (under a microsecond). The reader polls before it reads when nothing is buffered: a message that
+finds it waiting costs ``poll`` + ``recvmsg`` (it was ``recvmsg`` -> ``EAGAIN``, ``poll``, ``recvmsg``), one
+already waiting a ``poll`` more.
 """
 
 from __future__ import annotations
@@ -61,16 +97,20 @@ import base64
 import collections
 import numbers
 import operator
+import os
+import select
 import socket
 import threading
 import time
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .. import _forks
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import (DmaBufError, InvalidArgumentError, LocalError, PeerClosedError, PeerRefusedError,
-                      ProtocolError, WaitTimeoutError)
+from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, LocalError, PeerClosedError,
+                      PeerRefusedError, ProtocolError, WaitTimeoutError)
 from ..fdpass import _broken_recv, close_fds
 from ._carrier import FdCarrier, mechanism_for
 from ._link import SEND_TIMEOUT, Link
@@ -87,10 +127,18 @@ from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, 
 from .wire import frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
-           "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
+           "MAX_QUEUED", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
 
+#: The most array messages a channel keeps received and not yet taken by ``recv``/``recv_many`` (the
+#: default of :attr:`Channel.max_queued`). Beyond it the reader takes no more arrays from the socket, so
+#: a producer whose consumer stops receiving is pushed back (its ``send`` waits, then times out).
+MAX_QUEUED = 1024
 
 _NAME = operator.attrgetter("name")
+_ARRAY_KINDS = frozenset(("array", "arrays", "repeat"))  # the messages that queue an array for recv
+_get_ident = threading.get_ident
+_POLLIN = select.POLLIN
+_HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
 @dataclass(slots=True)
@@ -101,6 +149,159 @@ class _Queued:
     event: ArraysArrived
     chunks: dict[int, Any]
     views: LayoutViews | None
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    """The parts of a connection that ending it needs, without the :class:`Channel`: the reader thread
+    holds these and only a weak reference to the channel, so that a channel dropped unclosed is
+    collected, and then ends the connection itself (see Note [channel threads and fork])."""
+
+    sock: socket.socket
+    frames: Any  # FrameReader
+    proto: ConnectionState
+    state: threading.Condition
+    link: Link
+    releases: ReleaseQueue
+    memos: MemoTable
+    carrier: Any
+    read_lock: Any
+    owner: int  # the pid that made the channel
+    name: str
+    max_queued: int
+    queue: collections.deque = field(default_factory=collections.deque)
+    imports: dict = field(default_factory=dict)  # the peer's chunks as imported here (the reader's)
+    layout_views: dict = field(default_factory=dict)  # the peer's layouts' shared tensor runs (the reader's)
+    parked: tuple | None = None  # an array message read while the queue was full: (msg, fds)
+    wake_fd: int = -1  # an eventfd: recv() wakes a reader parked for room (made on the first park)
+    unbounded: bool = False  # the peer hung up (or this end shut down): take what is left whatever the bound
+    has_reader: bool = False
+    finish_here: bool = False  # whoever ends the connection also drops the queue and closes the carrier
+
+
+def _check_max_queued(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgumentError(f"max_queued must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _read_loop(ref: "weakref.ref[Channel]", conn: _Conn) -> None:
+    """The background reader: it waits for the socket with no reference to the channel, then handles
+    what arrived through it; a channel collected meanwhile (its finalizer shut the socket down) is ended
+    here."""
+    poller = select.poll()
+    poller.register(conn.sock, _POLLIN)  # (POLLHUP, POLLERR: always)
+    with conn.read_lock:  # waits for a recv() reading in its caller's thread to finish
+        while not conn.proto.ended:
+            if conn.parked is not None:
+                _wait_for_room(conn)
+            elif not conn.frames.buffered():
+                poller.poll()  # PEP 475: an EINTR is retried
+            ch = ref()
+            if ch is None:
+                _end_connection(conn)
+                return
+            if conn.parked is None:
+                ch._read_one(None)
+            elif conn.unbounded or len(conn.queue) < conn.max_queued or conn.proto.over:
+                msg, fds = conn.parked
+                conn.parked = None
+                ch._take(msg, fds)
+            ch = None  # not held while waiting
+
+
+def _wait_for_room(conn: _Conn) -> None:
+    """Wait, with the socket unread, until ``recv`` takes a queued array (the eventfd), the peer hangs up or
+    this end shuts down (``POLLRDHUP``/``POLLHUP``: then everything left is read, whatever the bound)."""
+    poller = select.poll()
+    poller.register(conn.sock, _HANGUP)
+    poller.register(conn.wake_fd, _POLLIN)
+    while len(conn.queue) >= conn.max_queued and not conn.proto.over:
+        for fd, _ in poller.poll():
+            if fd == conn.wake_fd:
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
+            else:
+                conn.unbounded = True
+                return
+
+
+def _end_connection(conn: _Conn) -> None:
+    """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket and
+    the fds of messages read and not handled. The caller reads the socket (holds ``read_lock``) or no one
+    can (the channel was collected)."""
+    link = conn.link
+    link.acquire()
+    try:
+        conn.memos.clear()
+        with conn.state:
+            leases = conn.proto.end()
+            parked, conn.parked = conn.parked, None
+            if conn.wake_fd >= 0:  # (under the state lock, as recv() writes to it)
+                os.close(conn.wake_fd)
+                conn.wake_fd = -1
+            conn.state.notify_all()
+        conn.releases.wake()  # the flusher sees the end and exits
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+    finally:
+        link.release()
+    if parked is not None:
+        close_fds(parked[1])
+    conn.frames.discard()
+    for lease in leases:
+        lease._complete("closed" if conn.proto.closed_here else "disconnected")
+    for chunk in list(conn.imports.values()):
+        chunk.retire()  # stays mapped while a Received still uses it
+    conn.imports.clear()
+    conn.layout_views.clear()
+    conn.carrier.on_end()
+    if conn.finish_here:  # no close() will: arrays never received are dropped, the carrier closed
+        _drop_queue(conn)
+        conn.carrier.close()
+
+
+def _drop_queue(conn: _Conn) -> None:
+    with conn.state:  # arrays never received: this end will not take them now
+        dropped = list(conn.queue)
+        conn.queue.clear()
+    for entry in dropped:
+        for chunk in entry.chunks.values():
+            chunk.release()  # the queue's reference (_handle)
+
+
+def _collected(conn: _Conn) -> None:
+    """A channel was collected unclosed (``weakref.finalize``; in whatever thread dropped it): as a finalizer
+    may (Note [channel threads and fork]), warn, mark it closed and shut the socket down (the peer sees the
+    end at once); the reader, woken by the shutdown, ends the connection, or a thread started here does."""
+    if conn.owner != _forks.pid or conn.proto.closed_here:
+        return  # inherited through fork(): the parent's; its fds go with this process
+    if not conn.proto.ended:  # (one that ended holds no socket: only its queue and carrier are left)
+        warnings.warn(f"unclosed {conn.name}", ResourceWarning, stacklevel=2)
+    with conn.state:
+        conn.proto.close()
+        conn.finish_here = True
+        conn.state.notify_all()
+    shut_down(conn.sock)
+    if conn.proto.ended or not conn.has_reader:
+        try:
+            threading.Thread(target=_end_unread, args=(conn,), name="dmabuf-interop-channel-end", daemon=True).start()
+        except RuntimeError:  # interpreter shutdown: the process's exit closes the socket
+            pass
+
+
+def _end_unread(conn: _Conn) -> None:
+    """End a collected channel that no reader will end: none ran, or the connection had ended already."""
+    with conn.read_lock:
+        if not conn.proto.ended:
+            _end_connection(conn)
+        else:
+            _drop_queue(conn)
+            conn.carrier.close()
 
 
 class Channel:
@@ -127,9 +328,11 @@ class Channel:
     share_segments = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
-                 device: int | None = None, ordering: str = "event", carrier: Any = None) -> None:
+                 device: int | None = None, ordering: str = "event", carrier: Any = None,
+                 max_queued: int | None = None) -> None:
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+        max_queued = MAX_QUEUED if max_queued is None else _check_max_queued(max_queued)
         self.peer = peer
         self.pool = pool
         self.device = device_index(device, default="own")
@@ -144,32 +347,57 @@ class Channel:
         # The limit is read here, from this module, so that a test may make it small.
         self._link = Link(sock, self._proto, SEND_TIMEOUT)
         self._send_lock = self._link.lock
-        self._weak = weakref.ref(self)  # shared by every Hold (see there)
+        self._weak = weakref.ref(self)  # shared by every Hold, and the reader's only reference (see there)
         self._state = threading.Condition()  # over an RLock: see Note [channel threads and fork]
-        self._queue: collections.deque[_Queued] = collections.deque()
-        self._imports: dict[int, Any] = {}  # the peer's chunks as imported here (the reader's)
-        self._layout_views: dict[int, LayoutViews] = {}  # the peer's layouts' shared tensor runs (the reader's)
         self._memos = MemoTable(self._send_lock)
         self._releases = ReleaseQueue(self._link, self._state, self._proto)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
         self._read_lock = threading.Lock()
+        self._read_owner = 0  # the thread in recv() that holds _read_lock (for close() in a signal handler)
         self._frames = frame_reader(sock)  # buffered: a burst of messages costs one recvmsg
         self._reader: threading.Thread | None = None
+        self._owner = _forks.pid  # only this process may use the channel (Note [channel threads and fork])
+        self._conn = _Conn(sock, self._frames, self._proto, self._state, self._link, self._releases, self._memos,
+                           self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued)
+        self._queue: collections.deque[_Queued] = self._conn.queue
+        self._imports: dict[int, Any] = self._conn.imports
+        self._layout_views: dict[int, LayoutViews] = self._conn.layout_views
+        # Collected unclosed: closed, with a ResourceWarning, as socket.socket is (not at interpreter exit).
+        self._finalizer = weakref.finalize(self, _collected, self._conn)
+        self._finalizer.atexit = False
         if pool is not None:
             pool._register_channel(self)
         if self._carrier.reader_at_start:
             self._start_reader()
 
     def _start_reader(self) -> None:
-        """Start the background reader (idempotent): from now on it alone reads the socket."""
+        """Start the background reader (idempotent): from now on it alone reads the socket. It holds the
+        channel weakly (:func:`_read_loop`)."""
         with self._state:
             if self._reader is not None:
                 return
-            self._reader = threading.Thread(target=self._read_loop, name="dmabuf-interop-channel-reader",
-                                            daemon=True)
+            self._reader = threading.Thread(target=_read_loop, args=(self._weak, self._conn),
+                                            name="dmabuf-interop-channel-reader", daemon=True)
+            self._conn.has_reader = True
         self._reader.start()
+
+    @property
+    def max_queued(self) -> int:
+        """The most array messages kept received and not yet taken by :meth:`recv` / :meth:`recv_many`
+        (default :data:`MAX_QUEUED`). At the bound the background reader leaves the rest in the socket,
+        so the peer's sends wait, then raise ``WaitTimeoutError``; releases and the peer's end behind those
+        arrays are read once ``recv`` makes room, or at once when the peer hangs up. May be changed."""
+        return self._conn.max_queued
+
+    @max_queued.setter
+    def max_queued(self, value: int) -> None:
+        value = _check_max_queued(value)
+        with self._state:
+            self._conn.max_queued = value
+            if self._conn.wake_fd >= 0:
+                os.eventfd_write(self._conn.wake_fd, 1)
 
     @property
     def protocol_state(self) -> ConnectionState:
@@ -178,22 +406,32 @@ class Channel:
 
     # --- sending --------------------------------------------------------------------
 
-    def _announce(self, block: Block) -> None:
+    def _announce(self, block: Block, deadline: float | None) -> None:
         chunk = block.chunk
         if self._proto.is_announced(chunk.id):
             return
-        with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
+        link = self._link
+        if not link.acquire(link.wait_for(deadline)):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        try:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
                 with self._carrier.announce(block) as (msg, fds):
-                    self._link.send_locked(msg, fds)
+                    link.send_locked(msg, fds, timeout=link.wait_for(deadline))
                 self._proto.chunk_announced(chunk.id)
+        finally:
+            link.release()
         block.pool._register_channel(self)
 
     def _retire_chunk(self, chunk_id: int) -> None:
+        if self._owner != _forks.pid:
+            return  # a pool inherited through fork(): the parent's channel is the parent's
         self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
-        with self._send_lock:  # placements in the chunk are gone
+        self._link.acquire()
+        try:  # placements in the chunk are gone
             self._memos.forget_chunk(chunk_id)
             known = self._proto.retire_chunk(chunk_id)
+        finally:
+            self._link.release()
         if known:
             try:
                 self._link.send({"kind": "retire", "chunk": chunk_id}, essential=True)
@@ -221,8 +459,10 @@ class Channel:
             stream: device pools: the stream the writes were queued on (cuda.core / torch / CuPy
                 stream or a raw handle; ``None``: the legacy default stream).
             meta: a JSON object (at most 64 KiB) delivered with the array.
-            timeout: seconds to wait for pool room when copying. (A peer that takes nothing of the
-                message for :data:`SEND_TIMEOUT` seconds fails the send, whatever ``timeout``.)
+            timeout: seconds to wait in all for pool room when copying and for the peer to take the
+                message (a full socket: a peer that stopped receiving; at most :data:`SEND_TIMEOUT`
+                whatever ``timeout``). Once the message has begun to leave, its rest has
+                :data:`SEND_TIMEOUT`: a send never leaves half a message behind.
             ordering: device pools: ``"event"`` (record an interprocess event on
                 ``stream``, ``cuEventRecord``; skipped, and sent as ``"sync"``, when
                 ``cuStreamQuery`` finds nothing pending on ``stream``) or ``"sync"``
@@ -234,11 +474,13 @@ class Channel:
         Raises:
             InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
                 timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set.
+            ClosedError: this end closed the channel.
+            ForkedResourceError: this process inherited the channel through ``fork()``.
             PoolExhaustedError: no room within ``timeout``.
             PeerClosedError: the peer has gone, or the message was cut off part-way by a peer that
                 stopped reading (the connection is then ended, and the peer sees its end).
-            WaitTimeoutError: the peer took nothing of the message for :data:`SEND_TIMEOUT`
-                seconds (none of it went out: the channel is as it was).
+            WaitTimeoutError: the peer took nothing of the message within ``timeout`` (or
+                :data:`SEND_TIMEOUT`): none of it went out, the channel is as it was.
         """
         return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
 
@@ -267,14 +509,16 @@ class Channel:
         ordering = ordering or self.ordering
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
-        deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
+        if self._owner != _forks.pid:
+            raise ForkedResourceError("this channel", self._owner)
+        deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._proto.over:
             raise self._link.ended()
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
                        batch is not None, self.share_segments)
         try:
             for block in prep.heads:
-                self._announce(block)
+                self._announce(block, deadline)
         except BaseException:
             prep.unref()
             raise
@@ -286,11 +530,13 @@ class Channel:
             self._proto.lend(lease.id, lease)
         try:
             if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
-                self._link.send({"kind": "array", "lease": lease.id,
-                            "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]})
+                link = self._link
+                wait = link.wait_for(deadline)
+                link.send({"kind": "array", "lease": lease.id,
+                           "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
             else:
                 self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
-                                 ev64, meta, prep.memo)
+                                 ev64, meta, prep.memo, deadline)
         except BaseException:
             with self._state:
                 self._proto.unlend(lease.id)
@@ -299,43 +545,57 @@ class Channel:
         return lease
 
     def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
-                    meta: dict[str, Any] | None, memo: Memo | None = None) -> None:
+                    meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None) -> None:
         """Send an ``arrays`` message (``mapping`` true or false), or an ``array`` message (``mapping``
         None: one remembered array), defining a layout, or a ``repeat`` of one the peer already has: the
         same names in the same blocks with the same shapes, strides and dtypes (a model's state dict
         sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
-        placement came from it (a repeat of its layout) or is to be remembered in it."""
-        with self._send_lock:
-            if memo is not None and self._memos.is_current(memo):
-                self._link.send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
-                                   "event": ev64, "meta": meta})
-                return
+        placement came from it (a repeat of its layout) or is to be remembered in it. ``deadline``: by when
+        the message must begin to leave (``None``: :data:`SEND_TIMEOUT`)."""
+        link = self._link
+        if memo is not None:
+            if not link.acquire(link.wait_for(deadline)):
+                raise WaitTimeoutError("another thread's send held the connection past the timeout")
+            try:
+                if self._memos.is_current(memo):
+                    link.send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
+                                      "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
+                    return
+            finally:
+                link.release()
         key = (mapping, tuple((p.name, p.block.chunk.id, p.block.offset, p.block.size, p.offset, p.shape, p.strides,
                                p.dtype) for p in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
-        with self._send_lock:
+        if not link.acquire(link.wait_for(deadline)):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        try:
             choice = self._proto.choose_layout(key, single=mapping is None)
             if not choice.define:
                 if memo is not None:
                     self._memos.remember(memo, choice.id)
-                self._link.send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
-                                   "event": ev64, "meta": meta})
+                link.send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
+                                  "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
             try:
                 if mapping is None:
-                    self._link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id})
+                    link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
+                                     timeout=link.wait_for(deadline))
                 else:
-                    self._link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
-                                       "layout": choice.id})
+                    link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                                      "layout": choice.id}, timeout=link.wait_for(deadline))
             except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
+                if isinstance(exc, ClosedError):
+                    raise
                 raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
             gone = self._proto.layout_sent(choice)  # first in, first out: the peer forgets the same one
             if memo is not None:
                 self._memos.remember(memo, choice.id)
             if gone is not None:
                 self._memos.forget_layout(gone)
+        finally:
+            link.release()
 
     @property
     def outstanding(self) -> int:
@@ -346,6 +606,8 @@ class Channel:
     # --- receiving ------------------------------------------------------------------
 
     def _next(self, timeout: float | None, want_batch: bool) -> _Queued:
+        if self._owner != _forks.pid:
+            raise ForkedResourceError("this channel", self._owner)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
@@ -358,7 +620,11 @@ class Channel:
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
                         raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
+                    if self._conn.parked is not None:  # the reader waits for room (set under this lock)
+                        os.eventfd_write(self._conn.wake_fd, 1)
                     return self._queue.popleft()
+                if self._proto.closed_here:
+                    raise self._link.ended()  # ClosedError: not the peer's doing
                 if self._proto.over:
                     err = self._proto.error
                     if isinstance(err, (ProtocolError, PeerRefusedError)):
@@ -378,9 +644,11 @@ class Channel:
                     finally:
                         self._waiters -= 1
                     continue
+                self._read_owner = _get_ident()
             try:
                 drained = not self._read_one(deadline)  # in this thread: no hand-over between threads
             finally:
+                self._read_owner = 0
                 self._read_lock.release()
                 if self._waiters:
                     with self._state:
@@ -390,9 +658,11 @@ class Channel:
         """Read one message if one has arrived, without waiting (no other thread reads the socket)."""
         if not self._read_lock.acquire(blocking=False):
             return False
+        self._read_owner = _get_ident()
         try:
             return self._read_one(time.monotonic())
         finally:
+            self._read_owner = 0
             self._read_lock.release()
             if self._waiters:
                 with self._state:
@@ -413,6 +683,8 @@ class Channel:
 
         Raises:
             WaitTimeoutError: nothing within ``timeout``.
+            ClosedError: this end closed the channel.
+            ForkedResourceError: this process inherited the channel through ``fork()``.
             PeerClosedError: the peer has gone (arrays it sent before are delivered first).
             ProtocolError: the peer broke the protocol, or stopped in the middle of a message for
                 :data:`.wire.REST_TIMEOUT` seconds (the connection was closed).
@@ -445,21 +717,20 @@ class Channel:
     def _release_lease(self, lease_id: int, *, inline: bool = False) -> None:
         """Every item of the peer's lease ``lease_id`` was released here (:class:`~.received.Hold`);
         ``inline``: by the caller's ``release()``, so the message may go out in its thread."""
+        if self._owner != _forks.pid:
+            return  # a Received inherited through fork(): the parent holds the lease and releases it
         with self._state:
             self._proto.released(lease_id)
         self._releases.add(lease_id, inline=inline)
 
     # --- the reader ------------------------------------------------------------------------
 
-    def _read_loop(self) -> None:
-        with self._read_lock:  # waits for a recv() reading in its caller's thread to finish
-            while not self._proto.ended:
-                self._read_one(None)
-
     def _read_one(self, deadline: float | None) -> bool:
         """Read and handle one message (the caller holds ``_read_lock``); a message that ends the
         connection, or breaks the protocol, ends it here (:meth:`_end`). Returns False when
-        nothing arrived by ``deadline`` (the caller's own deadline check raises), else True."""
+        nothing arrived by ``deadline`` (the caller's own deadline check raises), else True.
+        The background reader parks an array message read while :attr:`max_queued` are queued
+        (:func:`_read_loop` takes it once there is room)."""
         if self._proto.ended:
             return True
         try:
@@ -475,6 +746,23 @@ class Channel:
             self._proto.fail(exc)
             self._end()
             return True
+        conn = self._conn
+        if len(self._queue) >= conn.max_queued and self._reader is not None and not conn.unbounded:
+            if msg.get("kind") in _ARRAY_KINDS and not self._proto.over:
+                with self._state:
+                    if conn.wake_fd < 0:
+                        try:
+                            conn.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                        except OSError:  # no fd left (EMFILE): this one is queued beyond the bound
+                            pass
+                    if conn.wake_fd >= 0:
+                        conn.parked = (msg, fds)  # the socket stays unread: the peer's sends wait
+                        return True
+        self._take(msg, fds)
+        return True
+
+    def _take(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """Handle one message read (its fds are closed after), ending the connection if it must."""
         try:
             self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
@@ -487,7 +775,6 @@ class Channel:
             self._end()
         finally:
             close_fds(fds)
-        return True
 
     def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Hand one message to the protocol state and act on its events: arrays are queued (under the
@@ -530,26 +817,8 @@ class Channel:
                 raise PeerRefusedError(f"the peer refused this connection: {ev.reason}")
 
     def _end(self) -> None:
-        """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket
-        and the fds of messages read into the buffer and not handled. The caller holds ``_read_lock``."""
-        with self._send_lock:
-            self._memos.clear()
-            with self._state:
-                leases = self._proto.end()
-                self._state.notify_all()
-            self._releases.wake()  # the flusher sees the end and exits
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._frames.discard()
-        for lease in leases:
-            lease._complete("closed" if self._proto.closed_here else "disconnected")
-        for chunk in list(self._imports.values()):
-            chunk.retire()  # stays mapped while a Received still uses it
-        self._imports.clear()
-        self._layout_views.clear()
-        self._carrier.on_end()
+        """The connection is over (:func:`_end_connection`). The caller holds ``_read_lock``."""
+        _end_connection(self._conn)
 
     # --- closing ------------------------------------------------------------------
 
@@ -562,9 +831,19 @@ class Channel:
         (``cuEventDestroy``). A send in progress in another thread (a peer
         that stopped reading) is waited for at most ``timeout`` seconds; then
         the connection is ended under it, and that send raises
-        ``PeerClosedError``.
+        ``ClosedError``.
+
+        Called inside this thread's own ``send``/``recv`` (a signal handler that interrupted it), it
+        does not wait for that call: it marks the channel closed and shuts the socket down, so the
+        interrupted call returns with an error once the handler is done (no ``bye``: the stream may be
+        mid-message), and the reader ends the connection then. In a process that inherited the channel
+        through ``fork()`` it only closes this process's copy of the socket: the parent's connection
+        is left as it was.
         """
         if self._proto.closed_here:
+            return
+        if self._owner != _forks.pid:
+            self._close_inherited()
             return
         # Another thread may be stuck sending to a peer that stopped reading: wait for it at most
         # ``timeout``, then end the connection under it (its send fails, and the peer sees the end).
@@ -573,25 +852,40 @@ class Channel:
             timeout = 0.0
         wait = check_timeout(timeout)
         deadline = deadline_after(wait)
-        locked = self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline))
+        link = self._link
+        locked = link.try_acquire()
+        # This thread's own interrupted send (or recv) holds a lock the end needs: waiting would never end.
+        # (Or it holds the state lock, which the end takes: the Condition's RLock says whether this thread does.)
+        interrupted = (not locked and link.held_here()) or self._state._is_owned()
+        if not locked and not interrupted:
+            locked = link.acquire(remaining(deadline))
         try:
             if locked:  # the releases and the bye wait for the peer within the same timeout
                 self._releases.flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
-                    self._link.send_locked({"kind": "bye"}, timeout=remaining(deadline))
+                    link.send_locked({"kind": "bye"}, timeout=remaining(deadline), whole=True)
                 except (DmaBufError, OSError):
                     pass  # the peer is gone, or not reading, or the connection broke: ended below all the same
             with self._state:
                 self._proto.close()
+                interrupted = interrupted or (self._read_lock.locked() and self._read_owner == _get_ident())
+                if interrupted:
+                    self._conn.finish_here = True  # whoever ends the connection drops the queue, closes the carrier
             if not self._proto.ended:
                 shut_down(self._sock)  # wakes the reader (and a stuck sender); the reader closes the socket
         finally:
             if locked:
-                self._send_lock.release()
+                link.release()
+        self._finalizer.detach()
         self._releases.wake()
         with self._state:
             self._state.notify_all()
             reader = self._reader
+        if interrupted:
+            # The reader ends the connection once the interrupted call lets go (it sees the shutdown).
+            if not self._proto.ended:
+                self._start_reader()
+            return
         if reader is None:
             # No background reader: end the connection here, once no recv() is reading.
             if self._read_lock.acquire(timeout=-1 if wait is None else wait):
@@ -603,13 +897,19 @@ class Channel:
         elif threading.current_thread() is not reader:
             # Its own wait: the sends above may have used up the first; after the shutdown it ends at once.
             reader.join(wait)
-        with self._state:  # arrays never received: this end will not take them now
-            dropped = list(self._queue)
-            self._queue.clear()
-        for entry in dropped:
-            for chunk in entry.chunks.values():
-                chunk.release()  # the queue's reference (_handle)
+        _drop_queue(self._conn)
         self._carrier.close()
+
+    def _close_inherited(self) -> None:
+        """``close()`` in a process that inherited the channel through fork(): no lock (a thread of the parent
+        may have held one at the fork), no ``bye``, no shutdown; this process's copies of the fds are closed."""
+        self._proto.closed_here = True  # (this process's copy of the state)
+        self._finalizer.detach()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        self._frames.discard()
 
     @property
     def closed(self) -> bool:

@@ -19,12 +19,14 @@ import bisect
 import contextlib
 import itertools
 import operator
+import os
 import threading
 import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
+from .. import _forks
 from .._time import deadline_after, remaining
-from ..errors import InvalidArgumentError, PoolExhaustedError
+from ..errors import ForkedResourceError, InvalidArgumentError, PoolExhaustedError
 from .arrays import DeviceView, HostView, c_strides, device_index, numpy_dtype
 from .events import EventPool
 from .protocol import BLOCK_ALIGN, DTYPES
@@ -35,8 +37,22 @@ __all__ = ["ALIGN", "SharedPool", "Block", "DeviceView", "EventPool", "HostView"
 #: Block alignment inside a chunk, bytes (covers every dtype and CUDA's 256-byte allocation alignment).
 ALIGN = BLOCK_ALIGN
 
-#: Every open pool of this process (to recognise an array that already lives in one).
+#: Every open pool of this process (to recognise an array that already lives in one). Emptied in a forked
+#: child: a pool inherited through fork() belongs to the parent (its blocks are the parent's to lend).
 LIVE_POOLS: "weakref.WeakSet[SharedPool]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """The child has none of the parent's threads: a pool lock one of them held would never be let go, so
+    each inherited pool gets a new one; and nothing of an inherited pool is released at the child's exit
+    (its chunks are the parent's; a device pool's cannot be touched after fork anyway)."""
+    for pool in list(LIVE_POOLS):
+        pool._cond = threading.Condition()
+        pool._finalizer.atexit = False
+    LIVE_POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Chunk ids are unique within the process, so any pool's blocks can travel over any channel.
 chunk_ids = itertools.count(1)
@@ -189,6 +205,7 @@ class SharedPool:
         self.events = EventPool(device)  # device pools: the interprocess events leases order with
         self._finalizer = weakref.finalize(self, SharedPool._close_chunks, self._chunks, self.events.all,
                                            device)
+        self._owner = _forks.pid  # only this process may allocate, trim and retire (Note in .channel)
         LIVE_POOLS.add(self)
 
     # --- introspection ---------------------------------------------------------
@@ -239,9 +256,12 @@ class SharedPool:
         Raises:
             InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``; ``timeout``
                 is not a number >= 0 or ``None`` (``math.inf`` waits forever, as ``None`` does).
+            ForkedResourceError: this process inherited the pool through ``fork()``.
             PoolExhaustedError: no room within ``timeout``.
             SyscallError, CudaError: exporting a new chunk failed.
         """
+        if self._owner != _forks.pid:
+            raise ForkedResourceError("this pool", self._owner)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
         n = _round_up(max(nbytes, 1), ALIGN)
@@ -392,7 +412,11 @@ class SharedPool:
 
         Returns:
             how many chunks were retired.
+
+        Raises:
+            ForkedResourceError: this process inherited the pool through ``fork()``.
         """
+        _forks.check_owner(self._owner, "this pool")
         with self._cond:
             idle = [c for c in self._chunks if not c.blocks]
             for c in idle:
@@ -419,7 +443,20 @@ class SharedPool:
 
         Arrays from :meth:`empty` on a host pool stay readable until collected
         (the mapping outlives them); leases still outstanding are abandoned.
+
+        In a process that inherited the pool through ``fork()`` it only drops this process's copies
+        (a host pool's fds and idle mappings); the parent's channels and chunks are left alone.
         """
+        if self._owner != _forks.pid:
+            with self._cond:
+                if self._closed:
+                    return
+                self._closed = True
+            if self.is_host:
+                self._finalizer()
+            else:  # no CUDA call after fork (ForkedAfterInitError): the process's exit drops them
+                self._finalizer.detach()
+            return
         with self._cond:
             if self._closed:
                 return

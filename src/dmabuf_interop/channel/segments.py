@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from typing import Any, Iterable, Iterator
@@ -371,6 +372,17 @@ def group_runs(requests: dict[Any, list[tuple[int, int]]], max_parts: int = MAX_
 
 _SEGMENTS: dict[int, Segments] = {}
 _SEGMENTS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child forgets the parent's segment chunks (their retained handles are the parent's, and
+    CUDA is unusable after fork); the lock is new, in case a thread of the parent held it."""
+    global _SEGMENTS_LOCK
+    _SEGMENTS.clear()
+    _SEGMENTS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def segments_for(device: int) -> Segments:

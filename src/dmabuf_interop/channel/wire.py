@@ -26,8 +26,9 @@ MAX_FRAME = 16 * 1024 * 1024
 REST_TIMEOUT = 60.0
 
 
-def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None = 60.0) -> None:
-    """Send one message with no fd.
+def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None = 60.0,
+               rest_timeout: float | None = None) -> None:
+    """Send one message with no fd (``rest_timeout``: as for :func:`..fdpass.send_message`).
 
     Raises:
         InvalidArgumentError: not JSON-serialisable or over :data:`MAX_FRAME`.
@@ -35,9 +36,9 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
         WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
     """
     if _family(sock) == socket.AF_UNIX:
-        send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME)
+        send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME, rest_timeout=rest_timeout)
     else:  # fdpass's public calls refuse sockets that cannot carry an fd; this frame carries none
-        _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout))
+        _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout), rest_timeout)
 
 
 def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:

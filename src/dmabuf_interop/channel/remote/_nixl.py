@@ -14,7 +14,8 @@ import urllib.parse
 import weakref
 from typing import Any
 
-from ...errors import InvalidArgumentError, NotSupportedError, PeerClosedError, TransferError
+from ... import _forks
+from ...errors import ForkedResourceError, InvalidArgumentError, NotSupportedError, PeerClosedError, TransferError
 
 __all__ = ["Agent", "NIXL_EXTRA", "is_remote", "nixl_module", "parse_address", "ucx_read_transports"]
 
@@ -102,6 +103,7 @@ class Agent:
         self.registered: dict[int, Any] = {}
         self.remotes: set[str] = set()
         self.closed = False
+        self.owner = _forks.pid  # a forked child may not call into the parent's agent (Note in .channel)
         self.agent = self._call("nixl_agent", nixl.nixl_agent, self.name, nixl.nixl_agent_config(backends=["UCX"]))
         _LIVE_AGENTS.add(self)
         if "UCX" not in self.agent.backends:
@@ -114,17 +116,22 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own exception types for every status
             raise TransferError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
+    def _closed_error(self) -> Exception:
+        if self.owner != _forks.pid:
+            return ForkedResourceError("this NIXL agent", self.owner)
+        return PeerClosedError("the channel is closed")
+
     def call(self, what: str, *args: Any) -> Any:
         with self.lock:
             if self.closed:
-                raise PeerClosedError("the channel is closed")
+                raise self._closed_error()
             return self._call(what, getattr(self.agent, what), *args)
 
     def register(self, chunk: Any, host: bool) -> bytes | None:
         """Register a pool chunk once; returns its partial agent metadata when newly registered."""
         with self.lock:
             if self.closed:
-                raise PeerClosedError("the channel is closed")
+                raise self._closed_error()
             if chunk.id in self.registered:
                 return None
             mem, dev = ("DRAM", 0) if host else ("VRAM", chunk.device)
@@ -166,7 +173,26 @@ class Agent:
 _LIVE_AGENTS: "weakref.WeakSet[Agent]" = weakref.WeakSet()
 
 
+#: The NIXL agents a forked child inherited: never called into nor destroyed there (their threads and UCX
+#: state are the parent's; destroying one would join threads the child does not have).
+_INHERITED: list[Any] = []
+
+
 @atexit.register
 def _close_live_agents() -> None:
     for agent in list(_LIVE_AGENTS):
         agent.close()
+
+
+def _after_fork_in_child() -> None:
+    """Every agent of the parent is closed in the child without a NIXL call, and kept from destruction."""
+    for agent in list(_LIVE_AGENTS):
+        agent.lock = threading.Lock()  # a parent thread may have held it
+        agent.closed = True
+        agent.registered, agent.remotes = {}, set()
+        if agent.agent is not None:
+            _INHERITED.append(agent.agent)
+    _LIVE_AGENTS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
