@@ -11,7 +11,9 @@ Callers branch on meaning, not on strings::
     │   └── ForkedAfterInitError       CUDA was initialised before this process was forked
     ├── InvalidArgumentError           bad input caught in user space before any driver call
     │   ├── NotADmaBufError            the fd is not a dma-buf (or not an open fd at all)
-    │   └── AlignmentError             a base or size breaks the page-alignment rule
+    │   ├── AlignmentError             a base or size breaks the page-alignment rule
+    │   ├── ForkedResourceError        a listener, channel or pool used by a process that inherited it through fork()
+    │   └── AddressInUseError          listen() on an address another listener holds
     ├── SyscallError                   a system call failed (names the call and the errno)
     ├── FdPassError                    SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError            the peer closed its end (EOF)
@@ -50,6 +52,8 @@ __all__ = [
     "InvalidArgumentError",
     "NotADmaBufError",
     "AlignmentError",
+    "ForkedResourceError",
+    "AddressInUseError",
     "SyscallError",
     "FdPassError",
     "PeerClosedError",
@@ -143,6 +147,31 @@ class NotADmaBufError(InvalidArgumentError):
 
 class AlignmentError(InvalidArgumentError):
     """A base address, offset or size breaks the page-alignment rule."""
+
+
+class ForkedResourceError(InvalidArgumentError):
+    """A listener, channel or pool was used by a process that inherited it through ``fork()``.
+
+    Only the process that created it may use it or shut it down; in a forked child it is inert
+    (its ``close()`` only drops this process's copies of the fds). Open a new one after the fork.
+
+    Attributes:
+        owner_pid: the pid of the process that created it.
+    """
+
+    def __init__(self, what: str, owner_pid: int) -> None:
+        self.what = what
+        self.owner_pid = owner_pid
+        super().__init__(f"{what} belongs to process {owner_pid}; this process inherited it through fork() "
+                         f"and may not use it")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.what, self.owner_pid)
+
+
+class AddressInUseError(InvalidArgumentError):
+    """``listen()`` on an address another listener holds: a live socket answered the liveness probe, or
+    ``bind`` failed with ``EADDRINUSE`` (a race lost to another listener)."""
 
 
 class SyscallError(DmaBufError, OSError):
