@@ -1,12 +1,14 @@
 """Rendezvous: independently started processes find each other on an AF_UNIX address.
 
-An address is a filesystem path (the socket is created owner-only, mode
-0600, and never clobbers a file that is not a socket) or a Linux abstract name
+An address is a filesystem path, bound as given (the socket file is created owner-only, mode
+0600, by ``fchmod`` of the socket before ``bind``; it never clobbers a file that is not a socket, and a
+stale one is replaced under ``flock`` of its directory) or a Linux abstract name
 ``"@name"`` (no file; any local user could bind the name first, which the
 connector's ``SO_PEERCRED`` check catches). Every accepted connection is
 checked with ``SO_PEERCRED`` before a byte is read from it, then both sides
 exchange a JSON ``hello`` (protocol and library versions, visible GPUs, the
-kernel's boot id). A refusal sends a ``refuse`` message with the reason and
+kernel's boot id), in a handshake thread of the listener's (Note [concurrent handshakes] in
+:mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
 closes; the refused side raises :class:`~..errors.PeerRefusedError`.
 """
 
