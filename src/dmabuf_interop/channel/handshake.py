@@ -240,18 +240,26 @@ class Acceptor:
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        reason = (f"the listener on {self.address} is out of file descriptors (accept -> {name}; "
+        want = "file descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "memory"
+        reason = (f"the listener on {self.address} is out of {want} (accept -> {name}; "
                   f"RLIMIT_NOFILE soft limit {soft}): try again later")
-        if self.spare is not None:
-            os.close(self.spare)
-            self.spare = None
+        with self.mutex:
+            spare, self.spare = self.spare, None
+        if spare is not None:
+            os.close(spare)
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 pass
             else:
                 refuse(conn, reason)
-            self.spare = _open_spare()
+            spare = _open_spare()
+            with self.mutex:
+                if self.fds_closed or self.spare is not None:
+                    if spare is not None:
+                        os.close(spare)
+                else:
+                    self.spare = spare
         self.backoff = min(max(self.backoff * 2, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])
         self.retry_at = time.monotonic() + self.backoff
         log.warning("%s; the pending connection was refused; accept(2) again in %.1f s", reason, self.backoff)
