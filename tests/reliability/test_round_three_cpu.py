@@ -113,6 +113,9 @@ def test_a_refused_local_peer_is_dropped_counted_and_logged_not_raised(tmp_path:
             accepted = error(exc)
         bad_t.join(4)
         good_t.join(4)
+        t_end = time.monotonic() + 2  # the refusal is counted when its handshake thread ends, maybe after
+        while getattr(lst, "refused", None) == 0 and time.monotonic() < t_end:  # the good one's (a loaded host)
+            time.sleep(0.01)
         refused = getattr(lst, "refused", None)
         # Asked for, refusals surface.
         bad2_t, _ = connect_in_thread(addr, timeout=1, hello_overrides={"protocol": 99})
