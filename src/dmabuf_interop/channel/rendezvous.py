@@ -298,6 +298,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         raise InvalidArgumentError(f"address {shown!r} names a directory, not a socket file")
     place = _open_dir(dirname or ".", shown)
     place.name = name
+    sock = None
     try:
         with _dir_lock(place):
             _clear_stale(addr, place, shown)
@@ -306,7 +307,11 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
                         ordering=ordering, device=device, hello_overrides=hello_overrides,
                         handshake_timeout=handshake_timeout)
     except BaseException:
-        os.close(place.dir_fd)
+        if sock is None:
+            os.close(place.dir_fd)
+        else:  # bound, but the listener could not be made (no fd left for its eventfd, say)
+            sock.close()
+            _unlink_if_ours(place, True)  # (closes the directory's fd)
         raise
 
 
