@@ -12,8 +12,9 @@ Callers branch on meaning, not on strings::
     ├── InvalidArgumentError           bad input caught in user space before any driver call
     │   ├── NotADmaBufError            the fd is not a dma-buf (or not an open fd at all)
     │   ├── AlignmentError             a base or size breaks the page-alignment rule
-    │   ├── ForkedResourceError        a channel or pool inherited through fork(): its owner pid alone uses it
-    │   └── ClosedError                this end closed the channel (not the peer: see PeerClosedError)
+    │   ├── ForkedResourceError        a listener, channel or pool used by a process that inherited it through fork()
+    │   ├── ClosedError                this end closed the channel (not the peer: see PeerClosedError)
+    │   └── AddressInUseError          listen() on an address another listener holds
     ├── SyscallError                   a system call failed (names the call and the errno)
     ├── FdPassError                    SCM_RIGHTS transport went wrong
     │   ├── PeerClosedError            the peer closed its end (EOF)
@@ -55,6 +56,7 @@ __all__ = [
     "AlignmentError",
     "ForkedResourceError",
     "ClosedError",
+    "AddressInUseError",
     "SyscallError",
     "FdPassError",
     "PeerClosedError",
@@ -174,6 +176,11 @@ class ForkedResourceError(InvalidArgumentError):
 class ClosedError(InvalidArgumentError):
     """This end closed the channel (its own ``close()``), and then a call used it; not the peer's doing,
     which is a :class:`PeerClosedError`."""
+
+
+class AddressInUseError(InvalidArgumentError):
+    """``listen()`` on an address another listener holds: a live socket answered the liveness probe, or
+    ``bind`` failed with ``EADDRINUSE`` (a race lost to another listener)."""
 
 
 class SyscallError(DmaBufError, OSError):

@@ -124,11 +124,18 @@ def test_peer_credentials_refused_on_both_sides_and_listener_keeps_serving(addr:
         for _ in range(2):
             get = in_thread(lambda: connect(addr, timeout=10))
             with pytest.raises(PeerRefusedError, match=f"uid {os.geteuid()}"):
-                listener.accept(10)
+                listener.accept(10, raise_refused=True)
             with pytest.raises(PeerRefusedError, match="not allowed"):
                 get()
         with pytest.raises(WaitTimeoutError):
             listener.accept(0.1)
+        # Not asked for, a refusal is counted and the wait goes on.
+        get = in_thread(lambda: connect(addr, timeout=10))
+        with pytest.raises(WaitTimeoutError):
+            listener.accept(1)
+        with pytest.raises(PeerRefusedError, match="not allowed"):
+            get()
+        assert listener.refused == 3
     with listen(addr, allow_uids=[other], allow_gids=[os.getegid()]) as listener:  # a gid widens it
         get = in_thread(lambda: connect(addr, timeout=10))
         listener.accept(10).close()
@@ -141,13 +148,13 @@ def test_handshake_mismatch_refused(addr: str, override: dict, text: str) -> Non
     with listen(addr) as listener:
         get = in_thread(lambda: connect(addr, timeout=10, hello_overrides=override))
         with pytest.raises(PeerRefusedError, match=text):
-            listener.accept(10)
+            listener.accept(10, raise_refused=True)
         with pytest.raises(PeerRefusedError, match=text):
             get()
     with listen(addr, hello_overrides=override) as listener:  # the listener's side differs
         get = in_thread(lambda: connect(addr, timeout=10))
         with pytest.raises(PeerRefusedError, match=text):
-            listener.accept(10)
+            listener.accept(10, raise_refused=True)
         with pytest.raises(PeerRefusedError, match=text):
             get()
 

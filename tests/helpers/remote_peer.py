@@ -91,7 +91,7 @@ def main() -> int:
         pool = _pool(device)
         listener = listen(addr, pool=pool)
         print(f"listening {listener.address}", flush=True)
-        ch = listener.accept(60)
+        ch = listener.accept(60, raise_refused=True)  # (a wrong token ends the producer: a test looks for it)
         if mode == "producer":
             n = int(sys.argv[3])
             leases = []

@@ -38,8 +38,6 @@ def _silent_client(addr: str, kind: str) -> socket.socket:
     return s
 
 
-@pytest.mark.xfail(reason="a client that sends nothing (or one byte of its hello) holds Listener.accept(); "
-                          "consumers queued behind it time out", strict=True)
 @pytest.mark.parametrize("kind", ["silent", "one-byte"])
 def test_a_silent_local_client_does_not_hold_up_the_next_consumer(tmp_path: Path, kind: str) -> None:
     addr = str(tmp_path / "s.sock")
@@ -67,7 +65,6 @@ def test_a_silent_local_client_does_not_hold_up_the_next_consumer(tmp_path: Path
     assert out["consumer"].get("ok"), out
 
 
-@pytest.mark.xfail(reason="a begun hello gets 60 s (REST_TIMEOUT) whatever accept's timeout", strict=True)
 def test_accept_with_only_a_stalled_client_raises_at_its_own_timeout(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
@@ -89,8 +86,6 @@ def test_accept_with_only_a_stalled_client_raises_at_its_own_timeout(tmp_path: P
     assert out.get("error") == "WaitTimeoutError" and out["elapsed"] < 1.5, out
 
 
-@pytest.mark.xfail(reason="a peer that fails its handshake makes Listener.accept() raise, ending a serve loop",
-                   strict=True)
 def test_a_refused_local_peer_is_dropped_counted_and_logged_not_raised(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
@@ -118,6 +113,9 @@ def test_a_refused_local_peer_is_dropped_counted_and_logged_not_raised(tmp_path:
             accepted = error(exc)
         bad_t.join(4)
         good_t.join(4)
+        t_end = time.monotonic() + 2  # the refusal is counted when its handshake thread ends, maybe after
+        while getattr(lst, "refused", None) == 0 and time.monotonic() < t_end:  # the good one's (a loaded host)
+            time.sleep(0.01)
         refused = getattr(lst, "refused", None)
         # Asked for, refusals surface.
         bad2_t, _ = connect_in_thread(addr, timeout=1, hello_overrides={"protocol": 99})
@@ -138,8 +136,6 @@ def test_a_refused_local_peer_is_dropped_counted_and_logged_not_raised(tmp_path:
 
 
 @pytest.mark.nixl
-@pytest.mark.xfail(reason="on tcp:// a stray request, a wrong token or a silent client makes accept() raise or "
-                          "stall; anyone who can reach the port can stop the server", strict=True)
 @pytest.mark.parametrize("kind", ["http", "wrong-token", "silent"])
 def test_a_stray_tcp_client_never_surfaces_from_accept(kind: str) -> None:
     def scenario() -> dict[str, Any]:
@@ -178,8 +174,6 @@ def test_a_stray_tcp_client_never_surfaces_from_accept(kind: str) -> None:
 # --------------------------------------------------------------------------- many consumers at once
 
 
-@pytest.mark.xfail(reason="connect(wait=True) fails at once with EAGAIN when the listen backlog is full",
-                   strict=True)
 def test_consumers_beyond_a_full_backlog_retry_within_their_timeout(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
     n = 12
@@ -215,8 +209,6 @@ def test_consumers_beyond_a_full_backlog_retry_within_their_timeout(tmp_path: Pa
 # --------------------------------------------------------------------------- accept at the fd limit
 
 
-@pytest.mark.xfail(reason="at RLIMIT_NOFILE the pending consumer is left to time out with a hint that blames "
-                          "the listener, and a retrying serve loop spins", strict=True)
 def test_accept_at_the_fd_limit_refuses_the_consumer_and_backs_off(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 

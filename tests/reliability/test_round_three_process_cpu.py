@@ -31,8 +31,6 @@ from tests.helpers.channels import connect_in_thread, local_pair
 # --------------------------------------------------------------------------- fork
 
 
-@pytest.mark.xfail(reason="a forked worker's close() of its inherited listener shuts down the parent's socket "
-                          "and unlinks its path", strict=True)
 def test_a_forked_worker_closing_its_inherited_listener_leaves_the_parents_alone(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
@@ -86,8 +84,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.xfail(reason="a forked worker that exits normally unlinks the parent's socket file and shuts its "
-                          "listening socket down", strict=True)
 def test_a_forked_worker_exiting_normally_leaves_the_parents_listener_alone(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
     run = subprocess.run([sys.executable, "-c", _FORK_EXIT, addr], capture_output=True, text=True, timeout=20,
@@ -227,8 +223,6 @@ print(" ".join(sorted(seen)), reads)
 """
 
 
-@pytest.mark.xfail(reason="listen(path) sets the process umask to 0177 around bind(); other threads create "
-                          "files under it", strict=True)
 def test_listen_never_changes_the_process_umask(tmp_path: Path) -> None:
     stop = tmp_path / "stop"
     obs = subprocess.Popen([sys.executable, "-c", _OBSERVER, str(os.getpid()), str(stop)],
@@ -253,8 +247,6 @@ def test_listen_never_changes_the_process_umask(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- two producers, one stale file
 
 
-@pytest.mark.xfail(reason="two producers replacing one stale socket file both win (one orphaned) or one gets "
-                          "a raw FileNotFoundError", strict=True)
 def test_two_producers_over_a_stale_socket_file_one_wins_one_is_told_in_use(tmp_path: Path) -> None:
     addr = str(tmp_path / "s.sock")
 
@@ -267,6 +259,7 @@ def test_two_producers_over_a_stale_socket_file_one_wins_one_is_told_in_use(tmp_
             stale.close()  # the file stays; nobody listens
             go_r, go_w = os.pipe()
             done_r, done_w = os.pipe()
+            tried_r, tried_w = os.pipe()
 
             def producer() -> str:
                 os.read(go_r, 1)
@@ -274,13 +267,18 @@ def test_two_producers_over_a_stale_socket_file_one_wins_one_is_told_in_use(tmp_
                     lst = listen(addr)
                 except BaseException as exc:  # noqa: BLE001
                     return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
-                os.read(done_r, 1)  # hold the listener while the other tries
+                finally:
+                    os.write(tried_w, b"x")
+                os.read(done_r, 1)  # hold the listener until the other has tried
                 lst.close()
                 return "listening"
 
             kids = [child(producer) for _ in range(2)]
             os.write(go_w, b"xx")
-            time.sleep(0.1)
+            tried = b""
+            t_end = time.monotonic() + 3
+            while len(tried) < 2 and time.monotonic() < t_end:  # both have tried (not a guess at how long)
+                tried += os.read(tried_r, 2 - len(tried))
             os.write(done_w, b"xx")
             got = []
             for _, fd in kids:
@@ -291,7 +289,7 @@ def test_two_producers_over_a_stale_socket_file_one_wins_one_is_told_in_use(tmp_
             got.sort()
             for pid, _ in kids:
                 reap(pid)
-            for fd in (go_r, go_w, done_r, done_w):
+            for fd in (go_r, go_w, done_r, done_w, tried_r, tried_w):
                 os.close(fd)
             key = " + ".join(got)
             outcomes[key] = outcomes.get(key, 0) + 1
@@ -308,8 +306,6 @@ def test_two_producers_over_a_stale_socket_file_one_wins_one_is_told_in_use(tmp_
 # --------------------------------------------------------------------------- relative paths
 
 
-@pytest.mark.xfail(reason="listen('w.sock') makes the path absolute first and is refused as too long from a "
-                          "deep working directory", strict=True)
 def test_listen_binds_a_relative_name_from_a_deep_directory(tmp_path: Path, monkeypatch) -> None:
     deep = tmp_path
     while len(str(deep / "w.sock")) <= 120:

@@ -19,9 +19,10 @@ import secrets
 import socket
 from typing import Any
 
+from .._time import deadline_after, remaining
 from ..errors import InvalidArgumentError, PeerRefusedError, ProtocolError
-from .handshake import refuse
-from .wire import recv_frame, send_frame
+from .handshake import recv_handshake_frame, refuse
+from .wire import send_frame
 
 __all__ = ["TOKEN_ENV", "load_secret", "authenticate_listener", "authenticate_connector"]
 
@@ -89,22 +90,24 @@ def _b64(raw: bytes) -> str:
 
 
 def authenticate_listener(sock: socket.socket, secret: bytes, timeout: float | None) -> None:
-    """Listener side: send a nonce, check the connector's proof, then prove ourselves.
+    """Listener side: send a nonce, check the connector's proof, then prove ourselves; all of it within
+    ``timeout`` seconds (a connector that sends part of its answer and stops is not given more).
 
     Raises:
         PeerRefusedError: the connector's proof is wrong (it is told so), or it refused us.
         ProtocolError: a malformed message. WaitTimeoutError: no answer within ``timeout``.
         PeerClosedError: the connector left.
     """
+    deadline = deadline_after(timeout)
     mine = secrets.token_bytes(_NONCE_BYTES)
-    send_frame(sock, {"kind": "challenge", "nonce": _b64(mine)})
-    msg, _ = recv_frame(sock, timeout)
+    send_frame(sock, {"kind": "challenge", "nonce": _b64(mine)}, timeout=remaining(deadline))
+    msg, _ = recv_handshake_frame(sock, remaining(deadline))
     theirs = _field(msg, "auth", {"kind", "nonce", "mac"}, "nonce", _NONCE_BYTES)
     mac = _field(msg, "auth", {"kind", "nonce", "mac"}, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(mac, _mac(secret, 0, mine, theirs)):
         refuse(sock, "authentication failed: wrong shared secret")
         raise PeerRefusedError("refused a connection: wrong shared secret")
-    send_frame(sock, {"kind": "proof", "mac": _b64(_mac(secret, 1, mine, theirs))})
+    send_frame(sock, {"kind": "proof", "mac": _b64(_mac(secret, 1, mine, theirs))}, timeout=remaining(deadline))
 
 
 def authenticate_connector(sock: socket.socket, secret: bytes, timeout: float | None) -> None:
@@ -114,11 +117,13 @@ def authenticate_connector(sock: socket.socket, secret: bytes, timeout: float | 
         PeerRefusedError: the listener refused us (wrong secret), or its proof is wrong.
         ProtocolError, WaitTimeoutError, PeerClosedError: as :func:`authenticate_listener`.
     """
-    msg, _ = recv_frame(sock, timeout)
+    deadline = deadline_after(timeout)
+    msg, _ = recv_handshake_frame(sock, remaining(deadline))
     theirs = _field(msg, "challenge", {"kind", "nonce"}, "nonce", _NONCE_BYTES)
     mine = secrets.token_bytes(_NONCE_BYTES)
-    send_frame(sock, {"kind": "auth", "nonce": _b64(mine), "mac": _b64(_mac(secret, 0, theirs, mine))})
-    msg, _ = recv_frame(sock, timeout)
+    send_frame(sock, {"kind": "auth", "nonce": _b64(mine), "mac": _b64(_mac(secret, 0, theirs, mine))},
+               timeout=remaining(deadline))
+    msg, _ = recv_handshake_frame(sock, remaining(deadline))
     mac = _field(msg, "proof", {"kind", "mac"}, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(mac, _mac(secret, 1, theirs, mine)):
         refuse(sock, "authentication failed: the listener's proof is wrong")

@@ -1,30 +1,35 @@
 """Rendezvous: independently started processes find each other on an AF_UNIX address.
 
-An address is a filesystem path (the socket is created owner-only, mode
-0600, and never clobbers a file that is not a socket) or a Linux abstract name
+An address is a filesystem path, bound as given (the socket file is created owner-only, mode
+0600, by ``fchmod`` of the socket before ``bind``; it never clobbers a file that is not a socket, and a
+stale one is replaced under ``flock`` of its directory) or a Linux abstract name
 ``"@name"`` (no file; any local user could bind the name first, which the
 connector's ``SO_PEERCRED`` check catches). Every accepted connection is
 checked with ``SO_PEERCRED`` before a byte is read from it, then both sides
 exchange a JSON ``hello`` (protocol and library versions, visible GPUs, the
-kernel's boot id). A refusal sends a ``refuse`` message with the reason and
+kernel's boot id), in a handshake thread of the listener's (Note [concurrent handshakes] in
+:mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
 closes; the refused side raises :class:`~..errors.PeerRefusedError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import functools
 import os
 import socket
 import stat
 import struct
 import time
-import weakref
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
-from .._time import deadline_after, remaining
-from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
+from .._time import check_timeout, deadline_after, remaining
+from ..errors import AddressInUseError, InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
 from .channel import Channel, PeerInfo
-from .handshake import ListenerBase, hello, recv_hello, refuse
+from .handshake import HANDSHAKE_TIMEOUT, ListenerBase, hello, recv_hello, refuse
 from .pool import SharedPool
 from .protocol import visible_gpu_uuids
 from .wire import send_frame, shut_down
@@ -82,106 +87,181 @@ def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     return None
 
 
-def _unlink_if_ours(path: str, ino: tuple[int, int]) -> None:
+@dataclass(slots=True)
+class _Place:
+    """Where a path listener's socket file is: its directory (an fd, so that a relative name is found again
+    whatever the working directory is by then) and name, and the file's (st_dev, st_ino)."""
+
+    dir_fd: int
+    lockable: bool  # opened O_RDONLY: flock() works on it (else O_PATH)
+    name: str
+    ino: tuple[int, int] = (0, 0)
+
+
+#: Seconds listen() and close() wait for another listener's lock on the socket's directory before going on
+#: without it.
+DIR_LOCK_WAIT = 5.0
+
+
+def _open_dir(dirname: str, address: str) -> _Place:
     try:
-        st = os.lstat(path)
-        if (st.st_dev, st.st_ino) == ino:
-            os.unlink(path)
+        return _Place(os.open(dirname, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), True, "")
+    except PermissionError:  # a directory we may enter but not list: no lock, still an anchor
+        pass
+    except OSError as exc:
+        raise SyscallError("bind", exc, address) from exc  # what bind would say (ENOENT: no such folder)
+    try:
+        return _Place(os.open(dirname, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), False, "")
+    except OSError as exc:
+        raise SyscallError("bind", exc, address) from exc
+
+
+@contextlib.contextmanager
+def _dir_lock(place: _Place) -> Iterator[None]:
+    """``flock(LOCK_EX)`` on the socket's directory: listeners of this library replacing a stale socket file
+    (check, unlink, bind, listen) and unlinking their own at close take turns, so exactly one of two
+    racing ``listen`` calls wins. Bounded: past :data:`DIR_LOCK_WAIT` (someone else holds a lock on the
+    directory), or where the directory cannot be locked, it goes on without."""
+    locked = False
+    if place.lockable:
+        give_up = time.monotonic() + DIR_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(place.dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= give_up:
+                    break
+                time.sleep(0.005)
+            except OSError:  # (a file system without flock)
+                break
+    try:
+        yield
+    finally:
+        if locked:
+            fcntl.flock(place.dir_fd, fcntl.LOCK_UN)
+
+
+def _lstat_at(place: _Place) -> os.stat_result | None:
+    try:
+        return os.stat(place.name, dir_fd=place.dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SyscallError("lstat", exc, place.name) from exc
+
+
+def _unlink_if_ours(place: _Place, owner: bool) -> None:
+    """At close: unlink the socket file if it is still the one we bound (in the creating process only)."""
+    try:
+        if owner:
+            with _dir_lock(place):
+                st = _lstat_at(place)
+                if st is not None and (st.st_dev, st.st_ino) == place.ino:
+                    os.unlink(place.name, dir_fd=place.dir_fd)
     except OSError:
         pass
+    finally:
+        os.close(place.dir_fd)
+
+
+def _describe_local(conn: socket.socket, addr: Any) -> str:
+    try:
+        pid, uid, gid = peer_credentials(conn)
+    except SyscallError:
+        return "a local peer"
+    return f"pid {pid} (uid {uid}, gid {gid})"
+
+
+@dataclass(slots=True)
+class _Local:
+    """What a local listener's handshakes need (no reference to the listener: see :class:`.handshake.Acceptor`)."""
+
+    address: str
+    pool: SharedPool | None
+    allow_uids: frozenset[int] | None
+    allow_gids: frozenset[int] | None
+    ordering: str
+    device: int | None
+    hello_overrides: dict[str, Any] | None
+
+    def handshake(self, conn: socket.socket, deadline: float | None) -> Channel:
+        pid, uid, gid = peer_credentials(conn)
+        if not _allowed(uid, gid, self.allow_uids, self.allow_gids):
+            reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
+                      f"allowed uids {sorted(self.allow_uids) if self.allow_uids is not None else [os.geteuid()]}"
+                      f", gids {sorted(self.allow_gids) if self.allow_gids else []}")
+            refuse(conn, reason)
+            raise PeerRefusedError(f"refused a connection: {reason}")
+        mine = hello(self.hello_overrides, visible_gpu_uuids())
+        send_frame(conn, mine, timeout=remaining(deadline))
+        theirs = recv_hello(conn, remaining(deadline))
+        why = _check_hello(mine, theirs)
+        if why is not None:
+            refuse(conn, why)
+            raise PeerRefusedError(f"refused a connection from pid {pid}: {why}")
+        peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
+        return Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering)
 
 
 class Listener(ListenerBase):
     """A listening channel address; :meth:`accept` hands out one :class:`Channel` per consumer.
 
-    Created by :func:`listen`; close it (or leave a ``with`` block) to stop
-    listening and unlink the socket file (only if it is still ours).
+    Created by :func:`listen`. Handshakes run concurrently, each within :attr:`handshake_timeout`
+    (Note [concurrent handshakes] in :mod:`.handshake`). Close it (or leave a ``with`` block) to stop
+    listening and unlink the socket file (only if it is still ours, and only in the process that created it).
     """
 
-    def __init__(self, sock: socket.socket, address: str, path: str | None, *, pool: SharedPool | None,
+    def __init__(self, sock: socket.socket, address: str, place: _Place | None, *, pool: SharedPool | None,
                  allow_uids: Iterable[int] | None, allow_gids: Iterable[int] | None, ordering: str,
-                 device: int | None, hello_overrides: dict[str, Any] | None) -> None:
-        self.address = address
+                 device: int | None, hello_overrides: dict[str, Any] | None,
+                 handshake_timeout: float | None = HANDSHAKE_TIMEOUT) -> None:
         self.pool = pool
-        self._sock = sock
-        self._allow_uids = None if allow_uids is None else frozenset(allow_uids)
-        self._allow_gids = None if allow_gids is None else frozenset(allow_gids)
-        self._ordering = ordering
-        self._device = device
-        self._hello_overrides = hello_overrides
-        ino = None
-        if path is not None:
-            st = os.lstat(path)
-            ino = (st.st_dev, st.st_ino)
-        self._finalizer = weakref.finalize(self, Listener._cleanup, sock, path, ino)
+        local = _Local(address, pool, None if allow_uids is None else frozenset(allow_uids),
+                       None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides)
+        cleanup = None if place is None else functools.partial(_unlink_if_ours, place)
+        self._start(sock, address, local.handshake, _describe_local, handshake_timeout, cleanup)
 
-    @staticmethod
-    def _cleanup(sock: socket.socket, path: str | None, ino: tuple[int, int] | None) -> None:
-        shut_down(sock)  # wakes a thread waiting in accept()
-        sock.close()
-        if path is not None and ino is not None:
-            _unlink_if_ours(path, ino)
+    def accept(self, timeout: float | None = 60.0, *, raise_refused: bool = False) -> Channel:
+        """The next consumer whose handshake completed, as a :class:`Channel`.
 
-    def accept(self, timeout: float | None = 60.0) -> Channel:
-        """Wait for the next consumer and return its channel.
-
-        Checks the peer's ``SO_PEERCRED`` (uid in ``allow_uids``, default this
-        process's effective uid, or gid in ``allow_gids``), then exchanges
-        ``hello`` messages. A refused peer gets a ``refuse`` message and this
-        call raises; the listener stays open for the next one.
-
-        A connection whose peer left before or during the handshake (a client
-        that gave up waiting, the liveness check of a second :func:`listen` on
-        the same path) is closed and skipped: the wait goes on for the next one.
+        Each accepted connection is checked with ``SO_PEERCRED`` (uid in ``allow_uids``, default this
+        process's effective uid, or gid in ``allow_gids``), then both sides exchange ``hello``, in a
+        thread of its own within the listener's ``handshake_timeout``: a client that connects and says
+        nothing holds up nobody. A peer that fails (credentials, protocol version, host, a malformed or
+        late hello) is told why, dropped, counted in :attr:`refused` and logged (``WARNING`` on the
+        ``dmabuf_interop.channel`` logger); it is raised here only with ``raise_refused=True``. A peer
+        that left before or during its handshake is dropped quietly.
 
         Raises:
-            WaitTimeoutError: no consumer (or no complete hello) within ``timeout`` seconds.
-            PeerRefusedError: the peer's credentials, protocol version or host were refused,
-                or the peer refused us.
-            ProtocolError: the peer's hello was malformed.
+            WaitTimeoutError: no consumer completed its handshake within ``timeout`` seconds.
+            PeerRefusedError, ProtocolError, WaitTimeoutError: with ``raise_refused``, the next refusal
+                (credentials, version or host refused, or the peer refused us; a malformed hello; a hello
+                not complete within ``handshake_timeout``), in the order handshakes ended.
+            SyscallError: ``accept(2)`` failed (``EMFILE``/``ENFILE``: at the fd limit; the pending
+                connection was refused, naming the limit, and the listener backs off up to 1 s).
+            ForkedResourceError: this process inherited the listener through ``fork()``.
             InvalidArgumentError: the listener is closed.
         """
-        return super().accept(timeout)
-
-    def _accept_one(self, conn: socket.socket, deadline: float | None) -> Channel:
-        pid, uid, gid = peer_credentials(conn)
-        if not _allowed(uid, gid, self._allow_uids, self._allow_gids):
-            reason = (f"uid {uid} (gid {gid}, pid {pid}) is not allowed on {self.address}: "
-                      f"allowed uids {sorted(self._allow_uids) if self._allow_uids is not None else [os.geteuid()]}"
-                      f", gids {sorted(self._allow_gids) if self._allow_gids else []}")
-            refuse(conn, reason)
-            raise PeerRefusedError(f"refused a connection: {reason}")
-        mine = hello(self._hello_overrides, visible_gpu_uuids())
-        send_frame(conn, mine)
-        theirs = recv_hello(conn, remaining(deadline))
-        why = _check_hello(mine, theirs)
-        if why is not None:
-            refuse(conn, why)
-            raise PeerRefusedError(f"refused a connection: {why}")
-        peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-        return Channel(conn, peer, pool=self.pool, device=self._device, ordering=self._ordering)
-
-    def close(self) -> None:
-        """Stop listening; unlink the socket file if it is still the one we created. Idempotent."""
-        self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._acceptor.accept(timeout, raise_refused)
 
 
 def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
            allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
            ordering: str = "event", device: int | None = None, backlog: int = 64,
-           hello_overrides: dict[str, Any] | None = None, **remote: Any) -> Listener:
+           hello_overrides: dict[str, Any] | None = None, handshake_timeout: float | None = HANDSHAKE_TIMEOUT,
+           **remote: Any) -> Listener:
     """Listen for channel consumers on ``address`` (``socket(AF_UNIX, SOCK_STREAM)``, ``bind``, ``listen``).
 
     ``"tcp://HOST:PORT"`` listens for consumers on other hosts instead (NIXL; ``token=`` /
     ``token_file=`` / ``xfer_timeout=`` in ``remote``): see :func:`.remote.listen_remote`.
 
     Args:
-        address: a filesystem path (created mode 0600 under a 0177 umask; a stale
-            socket file nobody listens on is replaced) or ``"@name"`` (Linux abstract namespace).
+        address: a filesystem path, bound as given (a relative name relative to the working directory now,
+            which also gets round the 108-byte ``sun_path`` limit; the file is created mode 0600:
+            ``fchmod`` of the socket before ``bind``, the process umask untouched; a stale socket file
+            nobody listens on is replaced) or ``"@name"`` (Linux abstract namespace).
         pool: the pool channels copy into when sending (see :meth:`Channel.send`).
         allow_uids: uids that may connect (default: only this process's effective uid).
         allow_gids: gids that may connect as well.
@@ -190,10 +270,12 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         backlog: ``listen(2)`` backlog.
         hello_overrides: fields replacing this side's ``hello`` (tests use it to
             fake another protocol version or host).
+        handshake_timeout: seconds each accepted connection has to complete its handshake (``None``: no limit).
 
     Raises:
-        InvalidArgumentError: a bad address, a path that exists and is not a
-            socket, or a socket someone is listening on.
+        AddressInUseError: another listener holds the address (a live socket answered, or ``bind`` lost a
+            race: ``EADDRINUSE``). Of two ``listen`` calls racing over one stale file, exactly one wins.
+        InvalidArgumentError: a bad address or timeout, or a path that exists and is not a socket.
         SyscallError: ``socket``, ``bind``, ``chmod`` or ``listen`` failed (the message names the address).
     """
     if ordering not in ("event", "sync"):
@@ -201,66 +283,109 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     if _remote(address, remote):
         from .remote import listen_remote
 
-        return listen_remote(address, pool=pool, device=device, backlog=backlog, **remote)  # type: ignore[return-value]
+        return listen_remote(address, pool=pool, device=device, backlog=backlog,  # type: ignore[return-value]
+                             handshake_timeout=handshake_timeout, **remote)
+    check_timeout(handshake_timeout)
     addr, abstract = _sockaddr(address)
-    path = None if abstract else os.path.abspath(addr)
-    if path is not None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        except OSError as exc:
-            raise SyscallError("lstat", exc) from exc
-        if st is not None:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise InvalidArgumentError(f"{path} exists and is not a socket; refusing to replace it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-                live = True
-            except OSError as exc:
-                live = exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-            finally:
-                probe.close()
-            if live:
-                raise InvalidArgumentError(f"{path} is a socket someone is listening on")
-            os.unlink(path)  # stale: its listener is gone
+    shown = os.fspath(address)
+    if abstract:
+        sock = _bind(addr, shown, backlog, None)
+        return Listener(sock, shown, None, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
+                        ordering=ordering, device=device, hello_overrides=hello_overrides,
+                        handshake_timeout=handshake_timeout)
+    dirname, name = os.path.split(addr)
+    if not name:
+        raise InvalidArgumentError(f"address {shown!r} names a directory, not a socket file")
+    place = _open_dir(dirname or ".", shown)
+    place.name = name
+    sock = None
+    try:
+        with _dir_lock(place):
+            _clear_stale(addr, place, shown)
+            sock = _bind(addr, shown, backlog, place)
+        return Listener(sock, shown, place, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
+                        ordering=ordering, device=device, hello_overrides=hello_overrides,
+                        handshake_timeout=handshake_timeout)
+    except BaseException:
+        if sock is None:
+            os.close(place.dir_fd)
+        else:  # bound, but the listener could not be made (no fd left for its eventfd, say)
+            sock.close()
+            _unlink_if_ours(place, True)  # (closes the directory's fd)
+        raise
+
+
+def _clear_stale(addr: str, place: _Place, shown: str) -> None:
+    """(Under the directory lock.) Refuse an address in use or a file that is not a socket; unlink a
+    stale socket file nobody listens on."""
+    st = _lstat_at(place)
+    if st is None:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgumentError(f"{shown} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)  # a live listener with a full backlog answers EAGAIN, not a wait
+        probe.connect(addr)
+        live = True
+    except OSError as exc:
+        live = exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        probe.close()
+    if live:
+        raise AddressInUseError(f"{shown} is a socket someone is listening on")
+    try:
+        os.unlink(place.name, dir_fd=place.dir_fd)  # stale: its listener is gone
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SyscallError("unlink", exc, shown) from exc
+
+
+def _bind(addr: str, shown: str, backlog: int, place: _Place | None) -> socket.socket:
+    """A listening socket bound to ``addr``. A path's file is 0600 from its creation on: ``fchmod`` of the
+    socket before ``bind`` (Linux creates the file with the socket inode's mode, less the umask), never a
+    change of the process umask."""
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     except OSError as exc:
         raise SyscallError("socket(AF_UNIX)", exc) from exc
     step = "bind"
+    bound = False
     try:
-        if path is not None:
-            # The umask makes bind() create the file 0600 from the start; chmod states it again.
-            old = os.umask(0o177)
-            try:
-                sock.bind(path)
-            finally:
-                os.umask(old)
+        if place is not None:
+            step = "fchmod"
+            os.fchmod(sock.fileno(), 0o600)
+            step = "bind"
+        sock.bind(addr)
+        bound = True
+        if place is not None:
             step = "chmod"
-            os.chmod(path, 0o600)
-        else:
-            sock.bind(addr)
+            st = os.stat(place.name, dir_fd=place.dir_fd, follow_symlinks=False)
+            place.ino = (st.st_dev, st.st_ino)
+            if stat.S_IMODE(st.st_mode) != 0o600:  # a umask that took the owner's bits too
+                os.chmod(place.name, 0o600, dir_fd=place.dir_fd)
         step = "listen"
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        if step != "bind" and path is not None:
+        if bound and place is not None:
             try:
-                os.unlink(path)
+                os.unlink(place.name, dir_fd=place.dir_fd)  # (under the directory lock: ours)
             except OSError:
                 pass
         if step == "bind" and exc.errno == errno.EADDRINUSE:
-            raise InvalidArgumentError(f"address {address!r} is in use") from exc
-        raise SyscallError(step, exc, os.fspath(address)) from exc
-    return Listener(sock, os.fspath(address), path, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
-                    ordering=ordering, device=device, hello_overrides=hello_overrides)
+            raise AddressInUseError(f"address {shown!r} is in use") from exc
+        raise SyscallError(step, exc, shown) from exc
+    return sock
 
 
 def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: float | None,
                     wait: bool) -> socket.socket:
-    """A connected AF_UNIX socket, ``wait``: retried while nothing listens (see :func:`connect`)."""
+    """A connected AF_UNIX socket. A full backlog (``EAGAIN``: the listener exists but has not taken the
+    connections queued before us) is retried within ``timeout``, as is, with ``wait``, nothing listening
+    (``ENOENT``, ``ECONNREFUSED``): see :func:`connect`."""
+    pause = 0.005
     while True:
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -270,14 +395,19 @@ def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: fl
             sock.settimeout(None if deadline is None else timeout)  # (None also for math.inf: deadline_after)
             sock.connect(addr)
             return sock
-        except OSError as exc:  # ENOENT / ECONNREFUSED: nothing listens on that address (yet)
+        except OSError as exc:
             sock.close()
             left = remaining(deadline)
-            if not wait or exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+            full = exc.errno == errno.EAGAIN
+            if not full and not (wait and exc.errno in (errno.ENOENT, errno.ECONNREFUSED)):
                 raise SyscallError(f"connect({str(address)!r})", exc) from exc
             if left is not None and left <= 0:
+                if full:
+                    raise WaitTimeoutError(f"the listen backlog of {str(address)!r} stayed full for {timeout} s: "
+                                           f"is the listening process calling accept()?") from exc
                 raise WaitTimeoutError(f"nothing listened at {str(address)!r} within {timeout} s") from exc
-            time.sleep(0.05 if left is None else min(0.05, left))
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 0.05)
 
 
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
@@ -300,12 +430,14 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             process's effective uid), so that a squatter on an abstract name is refused.
         hello_overrides: as for :func:`listen`.
         wait: while nothing listens at a local address (``ENOENT``, ``ECONNREFUSED``), try again
-            every 50 ms within ``timeout``: for a consumer started before its producer.
+            every 50 ms within ``timeout``: for a consumer started before its producer. (A full listen
+            backlog, ``EAGAIN``, is retried within ``timeout`` with or without ``wait``.)
 
     Raises:
         SyscallError: ``socket`` or ``connect`` failed (``ENOENT``, ``ECONNREFUSED``: nobody listens).
         PeerRefusedError: the listener refused us (``str()`` has its reason), or we refused it.
-        WaitTimeoutError: no hello within ``timeout``; with ``wait``, nothing listened within it.
+        WaitTimeoutError: no hello within ``timeout``; the listen backlog stayed full; with ``wait``,
+            nothing listened within it.
         InvalidArgumentError: ``wait`` with a ``tcp://`` address.
         ProtocolError: a malformed hello. PeerClosedError: the listener left during the handshake.
     """

@@ -41,22 +41,26 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None =
         _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout), rest_timeout)
 
 
-def recv_frame(sock: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
+def recv_frame(sock: socket.socket, timeout: float | None, *, whole: bool = False,
+               max_bytes: int = MAX_FRAME) -> tuple[dict[str, Any], list[int]]:
     """Receive one message and the fds on it, if any (at most :data:`.protocol.MAX_PARTS`; ``recvmsg``
     with ``MSG_CMSG_CLOEXEC``); the caller owns the fds. ``timeout`` bounds the wait for the message
     to begin; once begun, the rest has :data:`REST_TIMEOUT` seconds, so a short ``timeout`` never
-    cuts a large message in two.
+    cuts a large message in two. With ``whole``, ``timeout`` bounds the whole message (a handshake:
+    a peer that sends one byte and stops is not given :data:`REST_TIMEOUT`). ``max_bytes``: the largest
+    body accepted (at most :data:`MAX_FRAME`).
 
     Raises:
         PeerClosedError: EOF. WaitTimeoutError: nothing within ``timeout`` seconds, or the rest of a
-            message not within :data:`REST_TIMEOUT`.
+            message not within :data:`REST_TIMEOUT` (``whole``: not within ``timeout``).
         ProtocolError: a truncated control message, bad framing, or a body that is not a JSON object
             (every fd that arrived is closed first).
     """
+    rest = None if whole else REST_TIMEOUT  # None: the rest shares the deadline of the wait that began it
     if _family(sock) == socket.AF_UNIX:
-        return recv_message(sock, timeout, max_fds=MAX_PARTS, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT)
+        return recv_message(sock, timeout, max_fds=MAX_PARTS, max_bytes=max_bytes, rest_timeout=rest)
     # One message and nothing of the next (bufsize=0): the socket may be handed to a buffered reader after.
-    return FrameReader(_tcp(sock), max_fds=0, max_bytes=MAX_FRAME, rest_timeout=REST_TIMEOUT, bufsize=0).read(timeout)
+    return FrameReader(_tcp(sock), max_fds=0, max_bytes=max_bytes, rest_timeout=rest, bufsize=0).read(timeout)
 
 
 def frame_reader(sock: socket.socket) -> FrameReader:

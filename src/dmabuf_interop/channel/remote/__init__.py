@@ -21,20 +21,23 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
+import functools
 import os
 import socket
+import threading
 from typing import Any
 
 from ..._time import check_timeout, deadline_after, remaining
-from ...errors import (InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError, SyscallError,
-                       TransferError, WaitTimeoutError)
+from ...errors import (AddressInUseError, InvalidArgumentError, PeerClosedError, PeerRefusedError, ProtocolError,
+                       SyscallError, TransferError, WaitTimeoutError)
 from ..auth import authenticate_connector, authenticate_listener, load_secret
 from ..channel import Channel, PeerInfo
-from ..handshake import ListenerBase, hello, recv_hello, refuse
+from ..handshake import HANDSHAKE_TIMEOUT, ListenerBase, hello, recv_handshake_frame, recv_hello, refuse
 from ..pool import SharedPool
 from ..protocol import MAX_METADATA_BYTES, PROTOCOL_VERSION, parse_nixl, visible_gpu_uuids
 from ..sending import inspect_array
-from ..wire import recv_frame, send_frame, shut_down
+from ..wire import send_frame
 from ._nixl import NIXL_EXTRA, Agent, is_remote, nixl_module, parse_address, ucx_read_transports
 from .carrier import EOF_GRACE, NixlCarrier
 
@@ -136,6 +139,10 @@ class RemoteChannel(Channel):
         self._peer_address = f"tcp://{host}:{port}"
 
 
+#: Held while an agent is made: NIXL/UCX set-up is not known to be safe from several threads at once.
+_AGENT_LOCK = threading.Lock()
+
+
 def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listener: bool, pool: SharedPool | None,
                device: int | None, xfer_timeout: float | None) -> RemoteChannel:
     """Authenticate, exchange hello and NIXL metadata; the listener speaks first at each step."""
@@ -147,21 +154,22 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
     (authenticate_listener if listener else authenticate_connector)(sock, secret, left())
     mine = hello(None, visible_gpu_uuids())
     if listener:
-        send_frame(sock, mine)
+        send_frame(sock, mine, timeout=left())
     theirs = recv_hello(sock, left())
     if theirs["protocol"] != PROTOCOL_VERSION:  # the boot ids differ by design: no fd crosses
         why = f"protocol version mismatch: this side speaks {PROTOCOL_VERSION}, the peer {theirs['protocol']}"
         refuse(sock, why)
         raise PeerRefusedError(why)
     if not listener:
-        send_frame(sock, mine)
-    agent = Agent()
+        send_frame(sock, mine, timeout=left())
+    with _AGENT_LOCK:  # a listener's handshakes run in threads of their own: one agent made at a time
+        agent = Agent()
     try:
         own = {"kind": "nixl", "agent": agent.name,
                "metadata": base64.b64encode(agent.call("get_agent_metadata")).decode()}
         if listener:
-            send_frame(sock, own)
-        msg, fds = recv_frame(sock, left())
+            send_frame(sock, own, timeout=left())
+        msg, fds = recv_handshake_frame(sock, left())
         if fds:
             from ...fdpass import close_fds
 
@@ -177,7 +185,7 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
         if name != msg["agent"]:
             raise ProtocolError(f"the peer's metadata names agent {name!r}, not {msg['agent']!r}")
         if not listener:
-            send_frame(sock, own)
+            send_frame(sock, own, timeout=left())
     except BaseException:
         agent.close()
         raise
@@ -188,52 +196,58 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
 
 
 class RemoteListener(ListenerBase):
-    """A listening ``tcp://`` address; :meth:`accept` hands out one :class:`RemoteChannel` per consumer."""
+    """A listening ``tcp://`` address; :meth:`accept` hands out one :class:`RemoteChannel` per consumer.
+
+    Handshakes (authentication, ``hello``, NIXL metadata) run concurrently, each within
+    :attr:`handshake_timeout` (Note [concurrent handshakes] in :mod:`..handshake`): a stray HTTP request,
+    a wrong token or a client that says nothing is refused, counted in :attr:`refused` and logged, and
+    never holds up or ends a serve loop.
+    """
 
     def __init__(self, sock: socket.socket, secret: bytes, *, pool: SharedPool | None, device: int | None,
-                 xfer_timeout: float | None) -> None:
-        self._sock = sock
-        self._stopped = False  # set before the socket is shut down: accept() then knows why it woke
-        self._secret = secret
+                 xfer_timeout: float | None, handshake_timeout: float | None = HANDSHAKE_TIMEOUT) -> None:
         self.pool = pool
-        self._device = device
-        self._xfer_timeout = xfer_timeout
         host, port = sock.getsockname()[:2]
-        self.address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        run = functools.partial(_accept_handshake, secret, pool, device, xfer_timeout)
+        self._start(sock, address, run, _describe_tcp, handshake_timeout)
 
-    def accept(self, timeout: float | None = 60.0) -> RemoteChannel:
-        """Wait for the next consumer, authenticate it and return its channel.
+    def accept(self, timeout: float | None = 60.0, *, raise_refused: bool = False) -> RemoteChannel:
+        """The next consumer that authenticated and completed its handshake, as a :class:`RemoteChannel`.
+
+        A peer that fails (wrong shared secret, malformed or stray bytes such as an HTTP request, a
+        protocol mismatch, NIXL refusing its metadata, silence past ``handshake_timeout``) is told why,
+        dropped, counted in :attr:`refused` and logged (``WARNING`` on the ``dmabuf_interop.channel``
+        logger, naming ``host:port``); it is raised here only with ``raise_refused=True``. A peer that left
+        during its handshake is dropped quietly.
 
         Raises:
-            WaitTimeoutError: no consumer (or no complete handshake) within ``timeout`` seconds.
-            PeerRefusedError: wrong shared secret (the peer is told), a protocol mismatch, or the peer refused us.
-            ProtocolError: a malformed handshake message.
-            TransferError: NIXL could not create the agent or load the peer's metadata.
+            WaitTimeoutError: no consumer completed its handshake within ``timeout`` seconds.
+            PeerRefusedError, ProtocolError, TransferError, WaitTimeoutError: with ``raise_refused``, the
+                next refusal, in the order handshakes ended.
+            SyscallError: ``accept(2)`` failed (at the fd limit the pending connection is refused and the
+                listener backs off).
+            ForkedResourceError: this process inherited the listener through ``fork()``.
             InvalidArgumentError: the listener is closed.
-
-        A connection whose peer left before or during the handshake is skipped.
         """
-        return super().accept(timeout)
+        return self._acceptor.accept(timeout, raise_refused)
 
-    def _accept_one(self, conn: socket.socket, deadline: float | None) -> RemoteChannel:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _handshake(conn, self._secret, remaining(deadline), True, self.pool, self._device,
-                          self._xfer_timeout)
 
-    def close(self) -> None:
-        """Stop listening (idempotent); a thread waiting in :meth:`accept` is woken."""
-        self._stopped = True
-        shut_down(self._sock)  # wakes a thread waiting in accept()
-        self._sock.close()
+def _accept_handshake(secret: bytes, pool: SharedPool | None, device: int | None, xfer_timeout: float | None,
+                      conn: socket.socket, deadline: float | None) -> RemoteChannel:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return _handshake(conn, secret, remaining(deadline), True, pool, device, xfer_timeout)
 
-    @property
-    def closed(self) -> bool:
-        return self._stopped or self._sock.fileno() < 0
+
+def _describe_tcp(conn: socket.socket, addr: Any) -> str:
+    host, port = addr[:2]
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def listen_remote(address: str, *, pool: SharedPool | None = None, device: int | None = None, backlog: int = 64,
                   token: str | bytes | None = None, token_file: str | os.PathLike[str] | None = None,
-                  xfer_timeout: float | None = 60.0) -> RemoteListener:
+                  xfer_timeout: float | None = 60.0,
+                  handshake_timeout: float | None = HANDSHAKE_TIMEOUT) -> RemoteListener:
     """Listen on ``tcp://HOST:PORT`` (port 0: any free port; :attr:`RemoteListener.address` has it).
 
     Args:
@@ -242,20 +256,26 @@ def listen_remote(address: str, *, pool: SharedPool | None = None, device: int |
         token, token_file: the shared secret (else ``$DMABUF_INTEROP_TOKEN``), at least 16 bytes.
         xfer_timeout: seconds a NIXL READ may take (``None`` or ``math.inf``: no limit; NaN or a
             negative one is ``InvalidArgumentError``).
+        handshake_timeout: seconds each accepted connection has to authenticate and complete its handshake.
 
     Raises:
-        InvalidArgumentError: a bad address, secret or xfer_timeout. NotSupportedError: NIXL is not installed.
+        AddressInUseError: the port is taken (``EADDRINUSE``).
+        InvalidArgumentError: a bad address, secret or timeout. NotSupportedError: NIXL is not installed.
         SyscallError: ``socket``/``bind``/``listen`` failed.
     """
     host, port = parse_address(address)
     secret = load_secret(token, token_file)
     xfer_timeout = check_timeout(xfer_timeout)  # refused here, not at the first READ; math.inf is None
+    check_timeout(handshake_timeout)
     nixl_module()
     try:
         sock = socket.create_server((host, port), backlog=backlog)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUseError(f"address {address!r} is in use") from exc
         raise SyscallError(f"bind/listen on {address}", exc) from exc
-    return RemoteListener(sock, secret, pool=pool, device=device, xfer_timeout=xfer_timeout)
+    return RemoteListener(sock, secret, pool=pool, device=device, xfer_timeout=xfer_timeout,
+                          handshake_timeout=handshake_timeout)
 
 
 def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPool | None = None,
