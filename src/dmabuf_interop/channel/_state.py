@@ -38,16 +38,13 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 from ..errors import PeerClosedError, PeerRefusedError, ProtocolError
-from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescriptor, parse_message, parse_region
+from .protocol import MAX_CHUNKS, MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescriptor, parse_message, parse_region
 
 __all__ = [
     "Phase", "EndReason", "ChunkFact", "Layout", "LayoutChoice", "ConnectionState",
     "HelloReceived", "ChunkAnnounced", "ChunkRetired", "ArraysArrived", "EmptyBatch", "LayoutForgotten",
     "LeasesReleased", "PeerClosed", "PeerRefused", "MAX_CHUNKS",
 ]
-
-#: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
-MAX_CHUNKS = 4096
 
 
 class Phase(enum.Enum):
