@@ -114,8 +114,6 @@ def test_an_array_the_receiver_would_refuse_is_refused_before_sending(addr: str,
         lst.close()
 
 
-@pytest.mark.xfail(reason="the sender announces more chunks than the 4096 its receiver maps: the connection is "
-                          "torn down at the 4097th", strict=True)
 def test_chunks_past_the_receivers_limit_are_refused_before_sending(addr: str) -> None:
     n = 4100
     per_pool = 100  # (several pools: one pool of 4100 chunks takes seconds to fill, each alloc scans every chunk)

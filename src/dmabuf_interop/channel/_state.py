@@ -293,6 +293,11 @@ class ConnectionState:
     def is_announced(self, chunk_id: int) -> bool:
         return chunk_id in self._announced
 
+    def can_announce(self) -> bool:
+        """Whether the peer takes one more chunk of ours: it refuses more than ``max_chunks`` announced and
+        not retired, which this end counts as the peer does."""
+        return len(self._announced) < self.max_chunks
+
     def chunk_announced(self, chunk_id: int) -> None:
         """The peer has been told of our chunk ``chunk_id`` (its message went out)."""
         self._announced.add(chunk_id)

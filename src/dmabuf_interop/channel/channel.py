@@ -184,6 +184,9 @@ class Channel:
             return
         with self._send_lock:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
+                if not self._proto.can_announce():  # the peer would refuse it and end the connection
+                    raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
+                                               f"at once (MAX_CHUNKS): send from fewer, larger chunks")
                 with self._carrier.announce(block) as (msg, fds):
                     self._link.send_locked(msg, fds)
                 self._proto.chunk_announced(chunk.id)
@@ -193,12 +196,13 @@ class Channel:
         self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
         with self._send_lock:  # placements in the chunk are gone
             self._memos.forget_chunk(chunk_id)
-            known = self._proto.retire_chunk(chunk_id)
-        if known:
-            try:
-                self._link.send({"kind": "retire", "chunk": chunk_id}, essential=True)
-            except (DmaBufError, OSError):
-                pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
+            # Uncounted and told under one hold of the lock: no chunk announced in between reaches the
+            # peer before this retire (it would count one chunk more than this end does).
+            if self._proto.retire_chunk(chunk_id):
+                try:
+                    self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
+                except (DmaBufError, OSError):
+                    pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
     def send(self, array: Any, *, stream: Any = None, meta: dict[str, Any] | None = None,
              timeout: float | None = 10.0, ordering: str | None = None) -> Lease:
@@ -233,7 +237,9 @@ class Channel:
 
         Raises:
             InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
-                timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set.
+                timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set;
+                a limit the peer would refuse: more than :data:`~.protocol.MAX_NDIM` dimensions, a block of
+                a new chunk past the :data:`~.protocol.MAX_CHUNKS` the peer maps (nothing sent: the channel stays up).
             PoolExhaustedError: no room within ``timeout``.
             PeerClosedError: the peer has gone, or the message was cut off part-way by a peer that
                 stopped reading (the connection is then ended, and the peer sees its end).
