@@ -257,8 +257,6 @@ def test_without_ml_dtypes_a_host_bfloat16_or_float8_array_is_refused_by_name_an
 # --------------------------------------------------------------------------- no pool given
 
 
-@pytest.mark.xfail(reason="a channel without a pool cannot send a NumPy array ('pass pool= to listen')",
-                   strict=True)
 def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
     def scenario() -> dict[str, Any]:
         import gc

@@ -72,6 +72,7 @@ from .._time import check_timeout, deadline_after, remaining
 from ..errors import (DmaBufError, InvalidArgumentError, LocalError, PeerClosedError, PeerRefusedError,
                       ProtocolError, WaitTimeoutError)
 from ..fdpass import _broken_recv, close_fds
+from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._link import SEND_TIMEOUT, Link
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
@@ -116,18 +117,20 @@ class Channel:
     Args:
         sock: the connected AF_UNIX stream socket (owned from now on).
         peer: who is on the other end.
-        pool: the pool that :meth:`send` copies into (``None``: this end only
-            receives, or sends arrays that already live in some pool).
+        pool: the pool that :meth:`send` copies into (``None``: pools made on first need, :mod:`._autopool`).
         device: the CUDA ordinal that device chunks are mapped on when
             receiving (``None``: the chunk's own GPU, found by UUID).
         ordering: ``"event"`` (default) or ``"sync"`` for device pools.
         carrier: how chunks cross (default: fds, :class:`._carrier.FdCarrier`).
+        auto_pools: without ``pool``, the listener's pools made on first need, shared by its channels
+            (``None``: the channel's own).
     """
 
     share_segments = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
-                 device: int | None = None, ordering: str = "event", carrier: Any = None) -> None:
+                 device: int | None = None, ordering: str = "event", carrier: Any = None,
+                 auto_pools: Membership | None = None) -> None:
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         self.peer = peer
@@ -159,6 +162,7 @@ class Channel:
         self._reader: threading.Thread | None = None
         if pool is not None:
             pool._register_channel(self)
+        self._auto = join(self, auto_pools) if pool is None else None  # pools made on first need (_autopool)
         if self._carrier.reader_at_start:
             self._start_reader()
 
@@ -277,7 +281,7 @@ class Channel:
         if self._proto.over:
             raise self._link.ended()
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
-                       batch is not None, self.share_segments)
+                       batch is not None, self.share_segments, self._auto)
         try:
             for block in prep.heads:
                 self._announce(block)
@@ -615,6 +619,8 @@ class Channel:
         for entry in dropped:
             for chunk in entry.chunks.values():
                 chunk.release()  # the queue's reference (_handle)
+        if self._auto is not None:
+            self._auto.leave()  # the last member closes the pools made on first need
         self._carrier.close()
 
     @property

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 from .._time import deadline_after, remaining
 from ..errors import InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
+from ._autopool import join
 from .channel import Channel, PeerInfo
 from .handshake import ListenerBase, hello, recv_hello, refuse
 from .pool import SharedPool
@@ -109,6 +110,7 @@ class Listener(ListenerBase):
         self._ordering = ordering
         self._device = device
         self._hello_overrides = hello_overrides
+        self._auto = join(self) if pool is None else None  # pools made on first need, shared by its channels
         ino = None
         if path is not None:
             st = os.lstat(path)
@@ -159,11 +161,15 @@ class Listener(ListenerBase):
             refuse(conn, why)
             raise PeerRefusedError(f"refused a connection: {why}")
         peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-        return Channel(conn, peer, pool=self.pool, device=self._device, ordering=self._ordering)
+        return Channel(conn, peer, pool=self.pool, device=self._device, ordering=self._ordering,
+                       auto_pools=self._auto)
 
     def close(self) -> None:
-        """Stop listening; unlink the socket file if it is still the one we created. Idempotent."""
+        """Stop listening; unlink the socket file if it is still the one we created. Idempotent. Pools made
+        on first need for its channels (``pool=None``) are closed once those channels are closed too."""
         self._finalizer()
+        if self._auto is not None:
+            self._auto.leave()
 
     @property
     def closed(self) -> bool:

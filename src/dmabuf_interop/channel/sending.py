@@ -303,10 +303,11 @@ def lend_in_place(pool: SharedPool | None, found: list[Found]) -> None:
 
 
 def place(pool: SharedPool | None, name: str | None, src: Source, itemsize: int, block: Any, stream: int,
-          timeout: float | None) -> Placed:
+          timeout: float | None, auto: Any = None) -> Placed:
     """The block to lend for an array :func:`find` inspected: ``block`` itself (zero-copy), or a new
     block of ``pool`` it is copied into (host: ``numpy.copyto``; device: ``cuMemcpyAsync`` on ``stream``).
-    On failure ``block`` is released.
+    Without ``pool``, the pool of ``auto`` (a :class:`._autopool.Membership`) for the array's device:
+    host memory to the host, a GPU's to that GPU. On failure ``block`` is released.
 
     Raises:
         InvalidArgumentError: no pool to copy into; a non-contiguous copy to or from device memory.
@@ -320,8 +321,10 @@ def place(pool: SharedPool | None, name: str | None, src: Source, itemsize: int,
         # A view DLPack cannot describe (a stride or its start not a whole number of items): copied instead.
         block.pool._unref(block)
     if pool is None:
-        raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
-                                   "or send arrays from SharedPool.empty")
+        if auto is None:
+            raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
+                                       "or send arrays from SharedPool.empty")
+        pool = auto.pool_for(src.device)
     nbytes = math.prod(src.shape) * itemsize
     block = pool.alloc(nbytes, timeout=timeout)
     block.pool._ref(block)
@@ -525,9 +528,10 @@ class Prepared:
 
 
 def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
-            timeout: float | None, ordering: str, batch: bool, share_segments: bool) -> Prepared:
+            timeout: float | None, ordering: str, batch: bool, share_segments: bool, auto: Any = None) -> Prepared:
     """Place every array of a send (:class:`MemoTable.lend_again`, else :func:`find`, :func:`lend_in_place`
-    and :func:`place`), then order the writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
+    and :func:`place`, which copies into ``auto``'s pools when there is no ``pool``), then order the
+    writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
     nothing pending on ``stream``: ``cuStreamQuery``) or ``"event"`` (``cuEventRecord`` of an interprocess
     event). On failure every block taken is given back.
 
@@ -550,7 +554,7 @@ def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], 
                 lend_in_place(pool, found)
             for name, f in zip(names, found):
                 block, f.block = f.block, None  # from here on place() owns it
-                p = place(pool, name, f.src, f.itemsize, block, stream, timeout)
+                p = place(pool, name, f.src, f.itemsize, block, stream, timeout, auto)
                 placed.append(p)
                 # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
                 zero_copy = zero_copy and p.block is block and type(block) is Block and block.pool is pool
