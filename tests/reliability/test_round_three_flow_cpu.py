@@ -29,7 +29,7 @@ from dmabuf_interop.fd import open_fds
 from dmabuf_interop.fdpass import recv_token
 from tests.helpers import env_with_src
 from tests.helpers.bounded import bounded, child, error, reap
-from tests.helpers.channels import local_pair
+from tests.helpers.channels import connect_in_thread, local_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -224,7 +224,7 @@ sys.modules["ml_dtypes"] = None  # as if not installed: import raises ImportErro
 import torch
 from dmabuf_interop.channel import SharedPool
 from dmabuf_interop.errors import InvalidArgumentError
-from tests.helpers.channels import local_pair
+from tests.helpers.channels import connect_in_thread, local_pair
 addr = os.path.join(tempfile.mkdtemp(), "s.sock")
 with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
     lst, prod, cons = local_pair(addr, pool=pool)
@@ -286,6 +286,43 @@ def test_a_channel_without_a_pool_makes_one_on_first_need(addr: str) -> None:
     out = bounded(scenario, 8)
     assert out.get("to_consumer") == list(range(10)) and out.get("to_producer") == [0, 1, 2], out
     assert out["fds_left"] == [], out  # the pool made for the channel is closed with it
+
+
+def test_a_listeners_pool_made_on_first_need_is_shared_by_its_channels_and_closed_with_the_last(addr: str) -> None:
+    def scenario() -> dict[str, Any]:
+        import gc
+
+        gc.collect()
+        fds = open_fds()
+        lst = listen(addr)
+        chans, conns = [], []
+        for _ in range(2):
+            t, out = connect_in_thread(addr, timeout=5)
+            chans.append(lst.accept(timeout=5))
+            t.join(5)
+            conns.append(out["channel"])
+        got = []
+        for ch, cons in zip(chans, conns):
+            ch.send(np.arange(5))
+            with cons.recv(2) as r:
+                got.append(r.as_array().tolist())
+        shared = lst._auto.pools  # (internal: the listener's pools made on first need)
+        made = [p.is_host for p in shared.pools]
+        for c in conns:
+            c.close()
+        for ch in chans:
+            ch.close()
+        open_after_channels = [not p._closed for p in shared.pools]
+        lst.close()
+        gc.collect()
+        return {"got": got, "made": made, "open_after_channels": open_after_channels,
+                "fds_left": sorted(set(open_fds()) - set(fds))}
+
+    out = bounded(scenario, 10)
+    assert out["got"] == [list(range(5))] * 2, out
+    assert out["made"] == [True], out  # one host pool for both channels
+    assert out["open_after_channels"] == [True], out  # the listener still holds it
+    assert out["fds_left"] == [], out
 
 
 # --------------------------------------------------------------------------- errors that say what happened

@@ -11,6 +11,7 @@ path: arrays made with its ``empty()`` travel without a copy.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -64,7 +65,9 @@ class AutoPools:
             self._members += 1
 
     @staticmethod
-    def _leave(auto: "AutoPools") -> None:
+    def _leave(auto: "AutoPools", pid: int) -> None:
+        if os.getpid() != pid:
+            return  # an owner inherited through fork() and collected in the child: the pools are the parent's
         with auto._lock:
             auto._members -= 1
             last = auto._members == 0
@@ -76,15 +79,16 @@ class AutoPools:
 
 
 class Membership:
-    """One owner's share of an :class:`AutoPools`: :meth:`leave` (idempotent) at its ``close()``, or when the
-    owner is collected."""
+    """One owner's share of an :class:`AutoPools`: ``leave()`` (idempotent) at its ``close()``, or when the
+    owner is collected; never in a process that inherited the owner through ``fork()``."""
 
     __slots__ = ("pools", "leave")
 
     def __init__(self, owner: Any, pools: AutoPools) -> None:
         self.pools = pools
         pools._join()
-        self.leave = weakref.finalize(owner, AutoPools._leave, pools)
+        self.leave = weakref.finalize(owner, AutoPools._leave, pools, os.getpid())
+        self.leave.atexit = False  # at exit the pools' own finalizers unexport them; nothing to tell a peer
 
     def pool_for(self, device: int) -> SharedPool:
         return self.pools.pool_for(device)
