@@ -20,6 +20,7 @@ from .rendezvous import Listener, connect, listen
 from .segments import release_segments
 
 __all__ = [
-    "ALIGN", "AUTO_POOL_CHUNK_BYTES", "AUTO_POOL_MAX_BYTES", "ArrayDescriptor", "Channel", "DeviceView", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
+    "ALIGN", "AUTO_POOL_CHUNK_BYTES", "AUTO_POOL_MAX_BYTES", "ArrayDescriptor", "Channel", "DeviceView", "Lease",
+    "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
     "SharedPool", "as_tensors", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
 ]

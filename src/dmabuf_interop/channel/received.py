@@ -19,8 +19,8 @@ _NAME = operator.attrgetter("name")
 _DONE = operator.attrgetter("_done")
 _HOLD = operator.attrgetter("_hold")
 _BATCH = operator.attrgetter("_batch")
-#: itemsize -> the signed NumPy int torch imports a dtype NumPy lacks as, before viewing it as torch's dtype.
-_SIGNED = {1: storage_dtype("int8"), 2: storage_dtype("int16"), 4: storage_dtype("int32")}
+#: itemsize -> the signed int torch imports a dtype NumPy lacks as, before viewing it as torch's dtype.
+_SIGNED = {1: "int8", 2: "int16", 4: "int32"}
 
 
 def _NOBODY() -> None:
@@ -212,7 +212,7 @@ class Received:
             return self._batch.tensor(self, torch, torch_dtype(torch, d.dtype))
         if d.dtype in STORAGE:  # a dtype NumPy lacks: imported as an int of its size, then viewed as torch's
             dt = torch_dtype(torch, d.dtype)
-            signed = _SIGNED[DTYPES[d.dtype]]  # (torch reads every signed int from NumPy and DLPack)
+            signed = storage_dtype(_SIGNED[DTYPES[d.dtype]])  # (torch reads every signed int from NumPy and DLPack)
             if self.device < 0:
                 return torch.from_numpy(self._host_view(signed.str)).view(dt)
             return torch.from_dlpack(self._device_view(signed).memory_view()).view(dt)
