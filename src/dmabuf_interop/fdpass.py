@@ -142,6 +142,9 @@ def _wait(sock: socket.socket, events: int, deadline: float | None, timed_out: s
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # Zero means "do not wait", not "fail": what is ready already is taken (one poll(0)).
+                if poller.poll(0):
+                    return
                 raise WaitTimeoutError(timed_out)
             # Compare as floats first: int() of an infinite or huge timeout overflows poll().
             timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))

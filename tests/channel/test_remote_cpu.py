@@ -110,6 +110,7 @@ def test_secret_sources(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         load_secret("short")
     f = tmp_path / "token"
     f.write_text(TOKEN + "\n")
+    f.chmod(0o600)  # (one readable by others is read with a warning)
     assert load_secret(token_file=f) == TOKEN.encode()
     monkeypatch.setenv("DMABUF_INTEROP_TOKEN", TOKEN)
     assert load_secret() == TOKEN.encode()

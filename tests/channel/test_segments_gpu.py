@@ -2,8 +2,8 @@
 
 The producer runs under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 with no SharedPool at all, so any tensor that were not lent in place would
-fail to send ("no pool to copy into"). Producer and consumer are two unrelated
-subprocesses.
+be copied into a pool the channel makes on first need, which the producer
+checks was never made. Producer and consumer are two unrelated subprocesses.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ if mode == "producer":
             ch.send(ts["many_pages"], stream=s).wait(60)
             out["released"] = release_segments()
             ch.send(ts["small"], stream=s).wait(60)  # lent again from a fresh chunk
+            out["pools_made"] = len(ch._auto.pools.pools)  # none: every tensor was lent in place
     print(json.dumps(out), flush=True)
 else:
     out = {"steps": []}
@@ -111,6 +112,7 @@ def _check(prod: dict, cons: dict, cdev: int) -> None:
     assert 1 <= first <= 3 and prod["chunks_per_step"] == [first] * 3
     assert 16 <= prod["pages"][-1] <= 19
     assert prod["released"] >= 1
+    assert prod["pools_made"] == 0
 
 
 def test_expandable_segments_lent_in_place_same_gpu(tmp_path: Path) -> None:

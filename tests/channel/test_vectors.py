@@ -99,3 +99,22 @@ def test_the_vectors_ship_with_the_package() -> None:
 @pytest.mark.parametrize("vector", _load())
 def test_vector(vector: dict[str, Any]) -> None:
     run_vector(vector)
+
+
+def test_the_vectors_speak_this_protocol_version_and_name_every_dtype() -> None:
+    """The hellos speak :data:`PROTOCOL_VERSION`, and the descriptors name every dtype NumPy lacks, so that
+    a change of either shows here."""
+    from dmabuf_interop.channel.arrays import STORAGE
+    from dmabuf_interop.channel.protocol import DTYPES, PROTOCOL_VERSION
+
+    hellos, dtypes = [], set()
+    for v in _load():
+        for step in v.values[0]["steps"]:
+            msg = step.get("receive", {})
+            if msg.get("kind") == "hello":
+                hellos.append(msg["protocol"])
+            for d in [msg.get("desc")] + list(msg.get("items") or []):
+                if isinstance(d, dict) and "refuse" not in step:
+                    dtypes.add(d.get("dtype"))
+    assert hellos and set(hellos) == {PROTOCOL_VERSION}
+    assert set(STORAGE) <= dtypes <= set(DTYPES)  # every dtype NumPy lacks, each by its wire name

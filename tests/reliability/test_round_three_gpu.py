@@ -2,8 +2,7 @@
 without a pool sending a CUDA tensor.
 
 Each scenario runs in a fresh subprocess, which forks its consumer before it initialises CUDA, so the
-pytest process never touches CUDA. Each test states the behaviour expected of the library; those marked
-``xfail`` show a fault that is still there (the reason names it).
+pytest process never touches CUDA. Each test states the behaviour expected of the library.
 """
 
 from __future__ import annotations
@@ -91,7 +90,6 @@ _TORCH_DTYPES = ["float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3f
                  "complex32"]
 
 
-@pytest.mark.xfail(reason="CUDA tensors of torch's float8 kinds (and complex32) are refused by send", strict=True)
 def test_cuda_tensors_of_every_torch_dtype_travel_with_their_dtype():
     out = _run(_TORCH_DTYPES, pool=True)
     assert out["sent"] == {name: "sent" for name in _TORCH_DTYPES}, out
@@ -100,8 +98,6 @@ def test_cuda_tensors_of_every_torch_dtype_travel_with_their_dtype():
         assert got == {"wire": name, "dtype": name, "device": "cuda:0", "same_bytes": True}, out
 
 
-@pytest.mark.xfail(reason="a channel without a pool cannot send a CUDA tensor ('pass pool= to listen')",
-                   strict=True)
 def test_a_channel_without_a_pool_makes_one_on_the_tensors_gpu():
     out = _run(["float32", "bfloat16"], pool=False)
     assert out["sent"] == {"float32": "sent", "bfloat16": "sent"}, out

@@ -12,6 +12,7 @@ in expandable segments are lent in place, their pages exported as they are
 
 from __future__ import annotations
 
+from ._autopool import AUTO_POOL_CHUNK_BYTES, AUTO_POOL_MAX_BYTES
 from .channel import Channel, Lease, PeerInfo, Received, as_tensors, mechanism_for, release_all
 from .pool import ALIGN, DeviceView, SharedPool
 from .protocol import PROTOCOL_VERSION, ArrayDescriptor, parse_message
@@ -19,6 +20,7 @@ from .rendezvous import Listener, connect, listen
 from .segments import release_segments
 
 __all__ = [
-    "ALIGN", "ArrayDescriptor", "Channel", "DeviceView", "Lease", "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
+    "ALIGN", "AUTO_POOL_CHUNK_BYTES", "AUTO_POOL_MAX_BYTES", "ArrayDescriptor", "Channel", "DeviceView", "Lease",
+    "Listener", "PROTOCOL_VERSION", "PeerInfo", "Received",
     "SharedPool", "as_tensors", "connect", "listen", "mechanism_for", "parse_message", "release_all", "release_segments",
 ]

@@ -38,16 +38,13 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 from ..errors import PeerClosedError, PeerRefusedError, ProtocolError
-from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescriptor, parse_message, parse_region
+from .protocol import MAX_CHUNKS, MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescriptor, parse_message, parse_region
 
 __all__ = [
     "Phase", "EndReason", "ChunkFact", "Layout", "LayoutChoice", "ConnectionState",
     "HelloReceived", "ChunkAnnounced", "ChunkRetired", "ArraysArrived", "EmptyBatch", "LayoutForgotten",
     "LeasesReleased", "PeerClosed", "PeerRefused", "MAX_CHUNKS",
 ]
-
-#: Most chunks a peer may have mapped in this process at once (a bound on what a peer can make us map).
-MAX_CHUNKS = 4096
 
 
 class Phase(enum.Enum):
@@ -295,6 +292,11 @@ class ConnectionState:
 
     def is_announced(self, chunk_id: int) -> bool:
         return chunk_id in self._announced
+
+    def can_announce(self) -> bool:
+        """Whether the peer takes one more chunk of ours: it refuses more than ``max_chunks`` announced and
+        not retired, which this end counts as the peer does."""
+        return len(self._announced) < self.max_chunks
 
     def chunk_announced(self, chunk_id: int) -> None:
         """The peer has been told of our chunk ``chunk_id`` (its message went out)."""

@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from .arrays import ChunkRef
+from .arrays import ChunkRef, torch_dtype
 
 __all__ = ["BatchViews", "LayoutViews", "stack_runs", "bulk", "STACK_MIN", "BULK_ITEMS"]
 
@@ -89,7 +89,7 @@ class BatchViews:
             for key, shape, strides, first, delta, idx in runs:
                 base = bases.get(key)
                 if base is None:
-                    base = bases[key] = self._base(items[idx[0]]._chunk, torch, getattr(torch, key[1]), keep)
+                    base = bases[key] = self._base(items[idx[0]]._chunk, torch, torch_dtype(torch, key[1]), keep)
                 # One view over the whole run, cut into its items: the same tensors as one as_strided each.
                 for i, t in zip(idx, base.as_strided((len(idx), *shape), (delta, *strides), first).unbind(0)):
                     out[i] = t
@@ -97,7 +97,7 @@ class BatchViews:
                 key, args = plans[i]
                 base = bases.get(key)
                 if base is None:
-                    base = bases[key] = self._base(items[i]._chunk, torch, getattr(torch, key[1]), keep)
+                    base = bases[key] = self._base(items[i]._chunk, torch, torch_dtype(torch, key[1]), keep)
                 out[i] = base.as_strided(*args)
         return out
 

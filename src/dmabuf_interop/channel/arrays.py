@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import InvalidArgumentError
+from .protocol import DTYPES
 
-__all__ = ["HOST", "ChunkRef", "HostView", "DeviceView", "numpy_dtype", "device_dtype", "c_strides", "device_index"]
+__all__ = ["HOST", "STORAGE", "ML_DTYPES", "ChunkRef", "HostView", "DeviceView", "numpy_dtype", "storage_dtype",
+           "wire_dtype", "torch_dtype", "shown_dtype", "device_dtype", "c_strides", "device_index"]
 
 #: The device index of host memory, as :attr:`Received.device <.received.Received.device>` reports it.
 HOST = -1
@@ -72,7 +74,8 @@ class DeviceView:
             offset, so aligned to the itemsize.
         shape: elements per dimension.
         strides: strides in elements, as ``StridedMemoryView.strides`` (not bytes).
-        dtype: the ``numpy.dtype`` of the elements (bfloat16, which NumPy lacks, as uint16).
+        dtype: the ``numpy.dtype`` of the elements; a dtype NumPy lacks as the unsigned int of its size
+            (bfloat16 as uint16, the float8 kinds as uint8, complex32 as uint32): ``as_tensor()`` gives torch's.
         device_id: the CUDA ordinal the mapping is accessible from (``__dlpack_device__``).
         is_device_accessible: True. readonly: False.
     """
@@ -130,21 +133,77 @@ class DeviceView:
         return f"<DeviceView {self.dtype}{list(self.shape)} at {self.ptr:#x} on GPU {self.device_id}>"
 
 
+#: Wire dtypes NumPy lacks -> the unsigned int of their size whose bytes stand in for them where no
+#: library names the dtype (a :class:`DeviceView`, the copies into a pool, ``pool.empty`` on a device).
+STORAGE: dict[str, str] = {name: {1: "uint8", 2: "uint16", 4: "uint32"}[DTYPES[name]] for name in (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float4_e2m1fn_x2", "complex32")}
+#: Of those, the ones ml_dtypes defines for NumPy (``ml_dtypes.<name>``; complex32 from ml_dtypes 0.7).
+ML_DTYPES = frozenset(n for n in STORAGE if n != "float4_e2m1fn_x2")
+
+
 def numpy_dtype(name: str) -> Any:
-    """The NumPy dtype for a wire dtype name; ``bfloat16`` needs ``ml_dtypes``.
+    """The NumPy dtype of a wire dtype name; the names NumPy lacks come from ``ml_dtypes`` (an optional
+    dependency: ``pip install ml_dtypes``).
 
     Raises:
-        InvalidArgumentError: bfloat16 without ``ml_dtypes`` (use ``as_tensor`` instead).
+        InvalidArgumentError: ``ml_dtypes`` is not installed (or has no such dtype), or no NumPy dtype
+            holds it (``float4_e2m1fn_x2``, two FP4 values per byte): use ``as_tensor()``.
     """
     import numpy as np
 
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise InvalidArgumentError("NumPy has no bfloat16: install ml_dtypes, or use as_tensor()") from exc
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    if name not in STORAGE:
+        return np.dtype(name)
+    if name not in ML_DTYPES:
+        raise InvalidArgumentError(f"NumPy has no {name} (torch's dtype): use as_tensor()")
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise InvalidArgumentError(f"NumPy has no {name}: install ml_dtypes (pip install ml_dtypes), or use "
+                                   f"as_tensor()") from exc
+    found = getattr(ml_dtypes, name, None)
+    if found is None:
+        raise InvalidArgumentError(f"ml_dtypes {getattr(ml_dtypes, '__version__', '?')} has no {name}: upgrade "
+                                   f"ml_dtypes, or use as_tensor()")
+    return np.dtype(found)
+
+
+def storage_dtype(name: str) -> Any:
+    """The NumPy dtype whose bytes a wire dtype moves as: itself, or for a dtype NumPy lacks the unsigned
+    int of its size (:data:`STORAGE`)."""
+    import numpy as np
+
+    return np.dtype(STORAGE.get(name, name))
+
+
+def wire_dtype(dtype: Any) -> str | None:
+    """The wire name of a NumPy dtype (``ml_dtypes``' by their names), or ``None`` if it cannot travel."""
+    name = dtype.name
+    size = DTYPES.get(name)
+    if size is None or size != dtype.itemsize or dtype.fields is not None:
+        return None
+    if name in STORAGE:  # an ml_dtypes type: of kind 'V', 'f' or 'c' as its version says
+        return name if dtype.kind in "Vfc" else None
+    return name if dtype.kind in "biufc" else None
+
+
+def torch_dtype(torch: Any, name: str) -> Any:
+    """torch's dtype of a wire dtype name.
+
+    Raises:
+        InvalidArgumentError: this torch has no such dtype (``float8_e3m4``, ``float8_e4m3`` and
+            ``float8_e4m3b11fnuz`` are ml_dtypes' alone): use ``as_array()``.
+    """
+    found = getattr(torch, name, None)
+    if found is None:
+        raise InvalidArgumentError(f"torch {torch.__version__} has no {name}: use as_array() (ml_dtypes)")
+    return found
+
+
+def shown_dtype(dtype: Any) -> str:
+    """A dtype as the caller spelled it (``str``: ``"<U5"``, ``"[('a', '<i4')]"``, ``"torch.qint8"``), for
+    messages: NumPy's ``dtype.name`` (``"str160"``, ``"void96"``) names something the caller never wrote."""
+    return str(dtype)
 
 
 def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
@@ -155,17 +214,16 @@ def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-#: wire dtype name -> the NumPy dtype of a device view (bfloat16, which NumPy lacks, read as uint16).
+#: wire dtype name -> the NumPy dtype of a device view (:func:`storage_dtype`).
 _DEVICE_DTYPES: dict[str, Any] = {}
 
 
 def device_dtype(name: str) -> Any:
-    """The NumPy dtype a :class:`DeviceView` of wire dtype ``name`` reports (bfloat16 as uint16)."""
+    """The NumPy dtype a :class:`DeviceView` of wire dtype ``name`` reports: :func:`storage_dtype`
+    (a dtype NumPy lacks as the unsigned int of its size: bfloat16 as uint16, float8 as uint8)."""
     dt = _DEVICE_DTYPES.get(name)
     if dt is None:
-        import numpy as np
-
-        dt = _DEVICE_DTYPES[name] = np.dtype("uint16" if name == "bfloat16" else name)
+        dt = _DEVICE_DTYPES[name] = storage_dtype(name)
     return dt
 
 

@@ -17,6 +17,7 @@ import hmac
 import os
 import secrets
 import socket
+import stat
 from typing import Any
 
 from .._time import deadline_after, remaining
@@ -37,6 +38,9 @@ _ROLES = (b"dmabuf-interop connector v1", b"dmabuf-interop listener v1")
 def load_secret(token: str | bytes | None = None, token_file: str | os.PathLike[str] | None = None) -> bytes:
     """The shared secret: ``token``, else the contents of ``token_file`` (trailing newline stripped), else ``$DMABUF_INTEROP_TOKEN``.
 
+    A ``token_file`` that group or others may read or write (any of mode ``0o077``) is read with a
+    ``UserWarning`` naming its mode: keep it ``0600``.
+
     Raises:
         InvalidArgumentError: none given, both given, or shorter than 16 bytes.
         SyscallError: ``token_file`` cannot be read.
@@ -48,9 +52,17 @@ def load_secret(token: str | bytes | None = None, token_file: str | os.PathLike[
 
         try:
             with open(token_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode  # of the file read, not of whatever the path names later
                 secret = f.read().rstrip(b"\r\n")
         except OSError as exc:
             raise SyscallError(f"open({os.fspath(token_file)!r})", exc) from exc
+        if mode & 0o077:
+            import warnings
+
+            # Warned, not refused: secrets mounted by orchestrators are often 0644 inside a private volume.
+            warnings.warn(f"token_file {os.fspath(token_file)!r} is readable by group or others (mode "
+                          f"{stat.S_IMODE(mode):#05o}): anyone who reads it can connect; chmod 600 it",
+                          UserWarning, stacklevel=4)
     elif token is not None:
         secret = token.encode() if isinstance(token, str) else bytes(token)
     else:

@@ -112,6 +112,7 @@ from .._time import check_timeout, deadline_after, remaining
 from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, LocalError, PeerClosedError,
                       PeerRefusedError, ProtocolError, WaitTimeoutError)
 from ..fdpass import _broken_recv, close_fds
+from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._link import SEND_TIMEOUT, Link
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
@@ -317,19 +318,20 @@ class Channel:
     Args:
         sock: the connected AF_UNIX stream socket (owned from now on).
         peer: who is on the other end.
-        pool: the pool that :meth:`send` copies into (``None``: this end only
-            receives, or sends arrays that already live in some pool).
+        pool: the pool that :meth:`send` copies into (``None``: pools made on first need, :mod:`._autopool`).
         device: the CUDA ordinal that device chunks are mapped on when
             receiving (``None``: the chunk's own GPU, found by UUID).
         ordering: ``"event"`` (default) or ``"sync"`` for device pools.
         carrier: how chunks cross (default: fds, :class:`._carrier.FdCarrier`).
+        auto_pools: without ``pool``, the listener's pools made on first need, shared by its channels
+            (``None``: the channel's own).
     """
 
     share_segments = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
                  device: int | None = None, ordering: str = "event", carrier: Any = None,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, auto_pools: Membership | None = None) -> None:
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         max_queued = MAX_QUEUED if max_queued is None else _check_max_queued(max_queued)
@@ -369,6 +371,7 @@ class Channel:
         self._finalizer.atexit = False
         if pool is not None:
             pool._register_channel(self)
+        self._auto = join(self, auto_pools) if pool is None else None  # pools made on first need (_autopool)
         if self._carrier.reader_at_start:
             self._start_reader()
 
@@ -415,6 +418,9 @@ class Channel:
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
+                if not self._proto.can_announce():  # the peer would refuse it and end the connection
+                    raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
+                                               f"at once (MAX_CHUNKS): send from fewer, larger chunks")
                 with self._carrier.announce(block) as (msg, fds):
                     link.send_locked(msg, fds, timeout=link.wait_for(deadline))
                 self._proto.chunk_announced(chunk.id)
@@ -429,14 +435,15 @@ class Channel:
         self._link.acquire()
         try:  # placements in the chunk are gone
             self._memos.forget_chunk(chunk_id)
-            known = self._proto.retire_chunk(chunk_id)
+            # Uncounted and told under one hold of the lock: no chunk announced in between reaches the
+            # peer before this retire (it would count one chunk more than this end does).
+            if self._proto.retire_chunk(chunk_id):
+                try:
+                    self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
+                except (DmaBufError, OSError):
+                    pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
         finally:
             self._link.release()
-        if known:
-            try:
-                self._link.send({"kind": "retire", "chunk": chunk_id}, essential=True)
-            except (DmaBufError, OSError):
-                pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
     def send(self, array: Any, *, stream: Any = None, meta: dict[str, Any] | None = None,
              timeout: float | None = 10.0, ordering: str | None = None) -> Lease:
@@ -473,7 +480,9 @@ class Channel:
 
         Raises:
             InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
-                timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set.
+                timeout, no pool to copy into, a torch tensor with its conjugate or negative bit set;
+                a limit the peer would refuse: more than :data:`~.protocol.MAX_NDIM` dimensions, a block of
+                a new chunk past the :data:`~.protocol.MAX_CHUNKS` the peer maps (nothing sent: the channel stays up).
             ClosedError: this end closed the channel.
             ForkedResourceError: this process inherited the channel through ``fork()``.
             PoolExhaustedError: no room within ``timeout``.
@@ -515,7 +524,7 @@ class Channel:
         if self._proto.over:
             raise self._link.ended()
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
-                       batch is not None, self.share_segments)
+                       batch is not None, self.share_segments, self._auto)
         try:
             for block in prep.heads:
                 self._announce(block, deadline)
@@ -898,6 +907,8 @@ class Channel:
             # Its own wait: the sends above may have used up the first; after the shutdown it ends at once.
             reader.join(wait)
         _drop_queue(self._conn)
+        if self._auto is not None:
+            self._auto.leave()  # the last member closes the pools made on first need
         self._carrier.close()
 
     def _close_inherited(self) -> None:

@@ -27,7 +27,8 @@ from typing import Any, Iterable, Iterator, Sequence
 from .. import _forks
 from .._time import deadline_after, remaining
 from ..errors import ForkedResourceError, InvalidArgumentError, PoolExhaustedError
-from .arrays import DeviceView, HostView, c_strides, device_index, numpy_dtype
+from .arrays import (STORAGE, DeviceView, HostView, c_strides, device_index, numpy_dtype, shown_dtype, storage_dtype,
+                     wire_dtype)
 from .events import EventPool
 from .protocol import BLOCK_ALIGN, DTYPES
 
@@ -360,8 +361,9 @@ class SharedPool:
 
         Args:
             shape: elements per dimension.
-            dtype: a NumPy dtype or name from :data:`.protocol.DTYPES` (``"bfloat16"`` for device pools
-                or with ``ml_dtypes``).
+            dtype: a NumPy dtype or a name from :data:`.protocol.DTYPES` (on a host pool, the dtypes
+                NumPy lacks, such as ``"bfloat16"`` or ``"float8_e4m3fn"``, need ``ml_dtypes``; a device
+                pool's view holds them as the unsigned int of their size).
             timeout: seconds to wait for room when the pool is full.
 
         Returns:
@@ -379,27 +381,28 @@ class SharedPool:
         if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
             raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
         shape = tuple(int(s) for s in shape)
-        name = dtype if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype).name
-        if name not in DTYPES:
-            raise InvalidArgumentError(f"dtype {name!r} cannot travel; accepted: {', '.join(DTYPES)}")
+        name = dtype if isinstance(dtype, str) and dtype in DTYPES else wire_dtype(np.dtype(dtype))
+        if name is None:
+            raise InvalidArgumentError(f"dtype {shown_dtype(np.dtype(dtype))} cannot travel; accepted: "
+                                       f"{', '.join(DTYPES)}")
         itemsize = DTYPES[name]
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        dt = numpy_dtype(name) if self.is_host else None  # before a block is taken: it may need ml_dtypes
         block = self.alloc(nbytes, timeout=timeout)
         holder = _BlockHolder(block)
         strides = c_strides(shape, itemsize)
         if self.is_host:
-            typestr = "<u2" if name == "bfloat16" else numpy_dtype(name).str
-            view = HostView(block.ptr, shape, strides, typestr,
+            view = HostView(block.ptr, shape, strides, storage_dtype(name).str,
                             (holder, block.chunk.host_keepalive(block.offset, block.size)))
             arr = np.asarray(view)
-            return arr.view(numpy_dtype(name)) if name == "bfloat16" else arr
+            return arr.view(dt) if name in STORAGE else arr
         from cuda.core.utils import StridedMemoryView
 
         from ..buffers import mapped_buffer
 
         buf = mapped_buffer(block.ptr, max(nbytes, 1), self.device, holder)
-        dt = np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
-        return StridedMemoryView.from_buffer(buf, shape, tuple(s // itemsize for s in strides), dtype=dt)
+        return StridedMemoryView.from_buffer(buf, shape, tuple(s // itemsize for s in strides),
+                                             dtype=storage_dtype(name))
 
     # --- channels and retirement ------------------------------------------------------
 

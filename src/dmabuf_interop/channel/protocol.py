@@ -24,6 +24,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_META_BYTES",
     "MAX_NDIM",
+    "MAX_CHUNKS",
+    "MAX_NAME_CHARS",
     "MAX_ITEMS",
     "MAX_LAYOUTS",
     "MAX_SINGLE_LAYOUTS",
@@ -41,12 +43,24 @@ __all__ = [
 
 #: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
 #: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``; 4: an ``array``
-#: may define a layout too, and its ``repeat`` arrives as one array).
-PROTOCOL_VERSION = 4
+#: may define a layout too, and its ``repeat`` arrives as one array; 5: the float8 kinds, ``complex32``
+#: and ``float4_e2m1fn_x2`` are dtypes, and a descriptor may name 64 dimensions). A peer of another
+#: version is refused at the handshake, so neither end ever meets a dtype name it does not know.
+PROTOCOL_VERSION = 5
+
+# The limits. Both ends read them from here: the receiver refuses a message past one (ProtocolError,
+# the connection ends), so the sender checks the same limit first and refuses the call
+# (InvalidArgumentError), nothing sent and the channel still up.
+
 #: Largest caller ``meta`` per array, as compact JSON, in bytes.
 MAX_META_BYTES = 64 * 1024
-#: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's is 64).
-MAX_NDIM = 32
+#: Largest number of dimensions a descriptor may name (DLPack has no limit; NumPy's, and torch's, is 64).
+MAX_NDIM = 64
+#: Most chunks (``chunk`` or ``region`` messages) one end may have announced to the other and not retired,
+#: per connection: a bound on what a peer can make this process map.
+MAX_CHUNKS = 4096
+#: Longest ``name`` of an array in a ``send_many`` mapping, in characters.
+MAX_NAME_CHARS = 4096
 #: Largest number of arrays in one ``arrays`` message (:meth:`Channel.send_many`).
 MAX_ITEMS = 65536
 #: Layouts each end remembers: the last this many ``arrays`` messages that defined one (first in, first out).
@@ -63,12 +77,19 @@ MAX_METADATA_BYTES = 1 << 20
 #: Every block starts at a multiple of this many bytes of its chunk (``pool.ALIGN`` is this value).
 BLOCK_ALIGN = 256
 
-#: dtype names accepted on the wire -> itemsize in bytes. NumPy ``dtype.name`` spellings;
-#: byte order is always little-endian (x86-64 and aarch64 hosts, CUDA devices).
+#: dtype names accepted on the wire -> itemsize in bytes: NumPy's ``dtype.name`` spellings, and for the
+#: dtypes NumPy lacks the names torch and ml_dtypes share (``torch.float8_e4m3fn``,
+#: ``ml_dtypes.float8_e4m3fn``): every such dtype that DLPack describes as it lies in memory, one
+#: element per itemsize. ``complex32`` is torch's ``chalf`` (two float16); ``float4_e2m1fn_x2`` is torch's
+#: byte of two packed FP4 values. (ml_dtypes' sub-byte types, ``float4_e2m1fn``, ``float6_*``, ``int4``
+#: and kin, hold one value per byte, which DLPack's packed sub-byte types do not describe.)
+#: Byte order is always little-endian (x86-64 and aarch64 hosts, CUDA devices).
 DTYPES: dict[str, int] = {
     "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
     "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
     "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e4m3b11fnuz": 1, "float8_e3m4": 1, "float8_e4m3": 1, "float4_e2m1fn_x2": 1, "complex32": 4,
 }
 
 #: How the consumer learns that the producer's writes are complete:
@@ -248,8 +269,8 @@ class ArrayDescriptor:
         if ordering != "sync" or event is not None:
             _check_ordering(ordering, event)
         name = obj["name"]
-        if name is not None and (not isinstance(name, str) or len(name) > 4096):
-            raise ProtocolError("name must be a string of at most 4096 characters, or null")
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+            raise ProtocolError(f"name must be a string of at most {MAX_NAME_CHARS} characters, or null")
         meta = obj["meta"]
         if meta is not None:
             _check_meta(meta)

@@ -10,8 +10,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError, NotSupportedError
 from ._torch_views import BatchViews
-from .arrays import ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype
-from .protocol import ArrayDescriptor
+from .arrays import STORAGE, ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype, storage_dtype, torch_dtype
+from .protocol import DTYPES, ArrayDescriptor
 
 __all__ = ["Received", "Hold", "release_all", "as_tensors"]
 
@@ -19,6 +19,8 @@ _NAME = operator.attrgetter("name")
 _DONE = operator.attrgetter("_done")
 _HOLD = operator.attrgetter("_hold")
 _BATCH = operator.attrgetter("_batch")
+#: itemsize -> the signed int torch imports a dtype NumPy lacks as, before viewing it as torch's dtype.
+_SIGNED = {1: "int8", 2: "int16", 4: "int32"}
 
 
 def _NOBODY() -> None:
@@ -156,19 +158,25 @@ class Received:
         """The array, zero-copy.
 
         Returns:
-            host: a writable NumPy array over the shared pages (bfloat16 needs ``ml_dtypes``);
+            host: a writable NumPy array over the shared pages, of the sender's dtype (the dtypes NumPy
+            lacks, bfloat16, the float8 kinds and complex32, are ``ml_dtypes``' and need it);
             device: a :class:`.pool.DeviceView`: ``ptr``, ``shape``, ``strides`` (elements),
-            ``dtype`` (bfloat16 as uint16), a DLPack producer; ``memory_view()`` gives cuda.core's
+            ``dtype`` (a dtype NumPy lacks as the unsigned int of its size: bfloat16 as uint16, float8 as
+            uint8), a DLPack producer; ``memory_view()`` gives cuda.core's
             ``StridedMemoryView``. Making it calls no driver function. Either keeps this Received
             alive while it lives; its contents are valid until :meth:`release`.
 
         Raises:
-            InvalidArgumentError: already released; bfloat16 on the host without ``ml_dtypes``.
+            InvalidArgumentError: already released; on the host, a dtype NumPy lacks without ``ml_dtypes``
+                (the message names it), or one no NumPy dtype holds (``float4_e2m1fn_x2``: use :meth:`as_tensor`).
         """
         self._check()
         d = self.descriptor
         if self.device < 0:
-            return self._host_view(numpy_dtype(d.dtype).str)
+            dt = numpy_dtype(d.dtype)
+            if d.dtype in STORAGE:  # ml_dtypes: the typestr would say only 'V2'; the view gets the dtype
+                return self._host_view(storage_dtype(d.dtype).str).view(dt)
+            return self._host_view(dt.str)
         return self._device_view(device_dtype(d.dtype))
 
     def _host_view(self, typestr: str) -> Any:
@@ -186,24 +194,28 @@ class Received:
     def as_tensor(self) -> Any:
         """A ``torch.Tensor`` over the block (``torch.from_dlpack`` / ``torch.from_numpy``; torch imported here).
 
-        bfloat16 arrives as ``torch.bfloat16`` (read as int16 and re-viewed). For the items of a
+        Every dtype arrives as torch's (the ones NumPy lacks, bfloat16, the float8 kinds, complex32,
+        float4_e2m1fn_x2, read as an int of their size and re-viewed; ml_dtypes is not needed). For the items of a
         device ``recv_many`` batch, each chunk is imported into torch once (``torch.from_dlpack``)
         and every item's tensor is a ``torch.as_strided`` view of it: while any such tensor lives,
         every item of the batch whose tensor was taken stays held (its safety-net release waits).
 
         Raises:
-            InvalidArgumentError: already released.
+            InvalidArgumentError: already released; a dtype this torch lacks (``float8_e3m4``,
+                ``float8_e4m3``, ``float8_e4m3b11fnuz``: ml_dtypes' alone; use :meth:`as_array`).
             NotSupportedError: torch is not installed.
         """
         self._check()
         torch = _require("torch")
         d = self.descriptor
         if self._batch is not None and self.device >= 0:
-            return self._batch.tensor(self, torch, getattr(torch, d.dtype))
-        if d.dtype == "bfloat16":
+            return self._batch.tensor(self, torch, torch_dtype(torch, d.dtype))
+        if d.dtype in STORAGE:  # a dtype NumPy lacks: imported as an int of its size, then viewed as torch's
+            dt = torch_dtype(torch, d.dtype)
+            signed = storage_dtype(_SIGNED[DTYPES[d.dtype]])  # (torch reads every signed int from NumPy and DLPack)
             if self.device < 0:
-                return torch.from_numpy(self._host_view("<i2")).view(torch.bfloat16)
-            return torch.from_dlpack(self._device_view(device_dtype("int16")).memory_view()).view(torch.bfloat16)
+                return torch.from_numpy(self._host_view(signed.str)).view(dt)
+            return torch.from_dlpack(self._device_view(signed).memory_view()).view(dt)
         if self.device < 0:
             return torch.from_numpy(self.as_array())
         return torch.from_dlpack(self.as_array().memory_view())

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator
 
 from .._time import check_timeout, deadline_after, remaining
 from ..errors import AddressInUseError, InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
+from ._autopool import Membership, join
 from .channel import Channel, PeerInfo
 from .handshake import HANDSHAKE_TIMEOUT, ListenerBase, hello, recv_hello, refuse
 from .pool import SharedPool
@@ -185,6 +186,7 @@ class _Local:
     ordering: str
     device: int | None
     hello_overrides: dict[str, Any] | None
+    auto: Membership | None  # the listener's pools made on first need, shared by its channels
 
     def handshake(self, conn: socket.socket, deadline: float | None) -> Channel:
         pid, uid, gid = peer_credentials(conn)
@@ -202,7 +204,8 @@ class _Local:
             refuse(conn, why)
             raise PeerRefusedError(f"refused a connection from pid {pid}: {why}")
         peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-        return Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering)
+        return Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering,
+                       auto_pools=self.auto)
 
 
 class Listener(ListenerBase):
@@ -219,7 +222,8 @@ class Listener(ListenerBase):
                  handshake_timeout: float | None = HANDSHAKE_TIMEOUT) -> None:
         self.pool = pool
         local = _Local(address, pool, None if allow_uids is None else frozenset(allow_uids),
-                       None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides)
+                       None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides, None)
+        self._auto = local.auto = join(self) if pool is None else None  # pools made on first need (_autopool)
         cleanup = None if place is None else functools.partial(_unlink_if_ours, place)
         self._start(sock, address, local.handshake, _describe_local, handshake_timeout, cleanup)
 
@@ -245,6 +249,13 @@ class Listener(ListenerBase):
             InvalidArgumentError: the listener is closed.
         """
         return self._acceptor.accept(timeout, raise_refused)
+
+    def close(self) -> None:
+        """As :meth:`.handshake.ListenerBase.close`; pools made on first need for its channels (``pool=None``)
+        are closed once those channels are closed too."""
+        super().close()
+        if self._auto is not None:
+            self._auto.leave()  # the last member closes the pools
 
 
 def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,

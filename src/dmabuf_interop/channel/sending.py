@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from ..errors import DmaBufError, InvalidArgumentError
 from ._torch_views import bulk
-from .arrays import DeviceView, HostView, c_strides
+from .arrays import STORAGE, DeviceView, HostView, c_strides, shown_dtype, storage_dtype, wire_dtype
 from .pool import LIVE_POOLS, Block, SharedPool
-from .protocol import DTYPES, MAX_ITEMS, MAX_META_BYTES
+from .protocol import DTYPES, MAX_INT, MAX_ITEMS, MAX_META_BYTES, MAX_NAME_CHARS, MAX_NDIM
 
 __all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
            "place", "signatures", "wire_descs", "MAX_MEMOS"]
@@ -74,7 +74,10 @@ def inspect_array(array: Any) -> Source:
                                        "it lies in memory: send tensor.resolve_conj().resolve_neg()")
         known = _TORCH_DTYPES.get(array.dtype)
         if known is None:
-            known = _TORCH_DTYPES[array.dtype] = (str(array.dtype).replace("torch.", ""), array.element_size())
+            name = str(array.dtype).replace("torch.", "")
+            if DTYPES.get(name) != array.element_size():  # a quantized, bits or sub-byte shell dtype
+                raise _refused(array.dtype)
+            known = _TORCH_DTYPES[array.dtype] = (name, array.element_size())
         dtype, es = known
         _SIG_KINDS.setdefault(type(array), 1)
         dev = array.get_device()  # -1 for CPU tensors
@@ -93,7 +96,7 @@ def inspect_array(array: Any) -> Source:
         ptr = int(cai["data"][0])
         strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dt.itemsize)
         dev = driver.pointer_device(ptr) if ptr else 0
-        return Source(ptr, shape, strides, dt.name, dev, array)
+        return Source(ptr, shape, strides, _numpy_name(dt, cai["typestr"]), dev, array)
     if isinstance(array, np.ndarray):
         _SIG_KINDS.setdefault(type(array), 2)
     else:
@@ -105,21 +108,33 @@ def inspect_array(array: Any) -> Source:
             shape = tuple(array.shape)
             strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
                        else c_strides(shape, dt.itemsize))
-            return Source(int(array.ptr), shape, strides, dt.name, None, array)
+            return Source(int(array.ptr), shape, strides, _numpy_name(dt), None, array)
         try:
             array = np.asarray(array)
         except ValueError as exc:  # a ragged list, for one
             raise InvalidArgumentError(f"cannot send {type(array).__name__}: numpy.asarray refused it ({exc})") from exc
     name = _NUMPY_NAMES.get(array.dtype)
     if name is None:
-        if array.dtype.byteorder == ">":
-            raise InvalidArgumentError("big-endian arrays cannot travel: convert with "
-                                       "astype(dtype.newbyteorder('='))")
-        name = array.dtype.name
-        if name == "bfloat16" or (array.dtype.kind == "V" and "bfloat16" in str(array.dtype)):
-            name = "bfloat16"
-        _NUMPY_NAMES[array.dtype] = name
+        name = _numpy_name(array.dtype)
     return Source(array.ctypes.data, array.shape, array.strides, name, -1, array)
+
+
+def _refused(shown: Any) -> InvalidArgumentError:
+    return InvalidArgumentError(f"dtype {shown_dtype(shown)} cannot travel; accepted: {', '.join(DTYPES)}")
+
+
+def _numpy_name(dtype: Any, shown: Any = None) -> str:
+    """The wire name of a NumPy dtype (remembered), or InvalidArgumentError naming it as the caller did."""
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None:
+        if dtype.byteorder == ">":
+            raise InvalidArgumentError(f"big-endian arrays cannot travel ({shown_dtype(dtype)}): convert with "
+                                       "astype(dtype.newbyteorder('='))")
+        name = wire_dtype(dtype)
+        if name is None:
+            raise _refused(dtype if shown is None else shown)
+        _NUMPY_NAMES[dtype] = name
+    return name
 
 
 #: NumPy dtype -> wire dtype name (``dtype.name`` builds a new string on every read).
@@ -238,18 +253,24 @@ def find(pool: SharedPool | None, array: Any) -> Found:
     that already holds it.
 
     Raises:
-        InvalidArgumentError: a dtype that cannot travel (and what :func:`inspect_array` raises).
+        InvalidArgumentError: a dtype that cannot travel (named as the caller gave it), more than
+            :data:`~.protocol.MAX_NDIM` dimensions, an empty array whose strides would pass
+            :data:`~.protocol.MAX_INT` (and what :func:`inspect_array` raises): the peer would refuse them.
     """
     src = inspect_array(array)
-    itemsize = DTYPES.get(src.dtype)
-    if itemsize is None:
-        raise InvalidArgumentError(f"dtype {src.dtype!r} cannot travel; accepted: {', '.join(DTYPES)}")
+    itemsize = DTYPES[src.dtype]  # (inspect_array refused any other)
+    if len(src.shape) > MAX_NDIM:
+        raise InvalidArgumentError(f"an array of {len(src.shape)} dimensions cannot travel: at most {MAX_NDIM}")
     span = itemsize
     for n, st in zip(src.shape, src.strides):
         if n == 0 or st < 0:
             span = 0
             break
         span += (n - 1) * st
+    if not span and math.prod(max(n, 1) for n in src.shape) * itemsize > MAX_INT:
+        # (only an empty array's other dimensions can be that large; its copy's strides would be too)
+        raise InvalidArgumentError(f"an array of shape {tuple(src.shape)} cannot travel: its strides would pass "
+                                   f"{MAX_INT} bytes")
     block = None
     if span:
         block = pool._find_ref(src.ptr, span) if pool is not None else None
@@ -282,10 +303,11 @@ def lend_in_place(pool: SharedPool | None, found: list[Found]) -> None:
 
 
 def place(pool: SharedPool | None, name: str | None, src: Source, itemsize: int, block: Any, stream: int,
-          timeout: float | None) -> Placed:
+          timeout: float | None, auto: Any = None) -> Placed:
     """The block to lend for an array :func:`find` inspected: ``block`` itself (zero-copy), or a new
     block of ``pool`` it is copied into (host: ``numpy.copyto``; device: ``cuMemcpyAsync`` on ``stream``).
-    On failure ``block`` is released.
+    Without ``pool``, the pool of ``auto`` (a :class:`._autopool.Membership`) for the array's device:
+    host memory to the host, a GPU's to that GPU. On failure ``block`` is released.
 
     Raises:
         InvalidArgumentError: no pool to copy into; a non-contiguous copy to or from device memory.
@@ -299,8 +321,10 @@ def place(pool: SharedPool | None, name: str | None, src: Source, itemsize: int,
         # A view DLPack cannot describe (a stride or its start not a whole number of items): copied instead.
         block.pool._unref(block)
     if pool is None:
-        raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
-                                   "or send arrays from SharedPool.empty")
+        if auto is None:
+            raise InvalidArgumentError("this channel has no pool to copy into: pass pool= to listen/connect, "
+                                       "or send arrays from SharedPool.empty")
+        pool = auto.pool_for(src.device)
     nbytes = math.prod(src.shape) * itemsize
     block = pool.alloc(nbytes, timeout=timeout)
     block.pool._ref(block)
@@ -320,14 +344,19 @@ def _copy_into(block: Block, src: Source, nbytes: int, strides: tuple[int, ...],
         return
     if block.pool.is_host and src.device < 0:
         obj = src.obj
+        # A dtype NumPy lacks is copied as the unsigned int of its size (torch's .numpy() refuses it).
+        store = storage_dtype(src.dtype)
         if type(obj).__module__.startswith("torch"):
             obj = obj.detach()  # a parameter that requires grad: its values, not its graph
-            obj = obj.view(__import__("torch").int16).numpy() if src.dtype == "bfloat16" else obj.numpy()
+            if src.dtype in STORAGE:
+                import torch
+
+                obj = obj.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[store.itemsize])
+            obj = obj.numpy()
         srcarr = np.asarray(obj)
-        typestr = "<u2" if src.dtype == "bfloat16" else srcarr.dtype.str
-        if src.dtype == "bfloat16":
-            srcarr = srcarr.view(np.uint16)
-        dst = np.asarray(HostView(block.ptr, src.shape, strides, typestr,
+        if srcarr.dtype != store:
+            srcarr = srcarr.view(store)  # (same itemsize: any strides)
+        dst = np.asarray(HostView(block.ptr, src.shape, strides, store.str,
                                   (block.chunk.host_keepalive(block.offset, block.size),)))
         np.copyto(dst, srcarr, casting="no")
         return
@@ -423,7 +452,8 @@ def batch_items(arrays: Any) -> tuple[list[str | None], list[Any], str]:
 
     Raises:
         InvalidArgumentError: not a mapping, list or tuple; an empty batch; more than
-            :data:`~.protocol.MAX_ITEMS` arrays; a mapping key that is not a str of at most 4096 characters.
+            :data:`~.protocol.MAX_ITEMS` arrays; a mapping key that is not a str of at most
+            :data:`~.protocol.MAX_NAME_CHARS` characters.
     """
     names: list[str | None]
     if not isinstance(arrays, (Mapping, list, tuple)):  # an array would go as a batch of its rows
@@ -432,11 +462,11 @@ def batch_items(arrays: Any) -> tuple[list[str | None], list[Any], str]:
     if isinstance(arrays, Mapping):
         names, arrs, kind = list(arrays.keys()), list(arrays.values()), "mapping"
         # Checked with C-level maps: a state dict has thousands of keys, sent every step.
-        if names and (set(map(type, names)) != {str} or max(map(len, names)) > 4096):
-            bad = next((k for k in names if not isinstance(k, str) or len(k) > 4096), None)
+        if names and (set(map(type, names)) != {str} or max(map(len, names)) > MAX_NAME_CHARS):
+            bad = next((k for k in names if not isinstance(k, str) or len(k) > MAX_NAME_CHARS), None)
             if bad is not None:  # (a str subclass passes)
                 shown = repr(bad) if len(repr(bad)) <= 80 else repr(bad)[:77] + "..."
-                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most 4096 characters, "
+                raise InvalidArgumentError(f"a send_many mapping needs str keys of at most {MAX_NAME_CHARS} characters, "
                                            f"got {shown} ({type(bad).__name__})")
     else:
         arrs, kind = list(arrays), "list"
@@ -498,9 +528,10 @@ class Prepared:
 
 
 def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
-            timeout: float | None, ordering: str, batch: bool, share_segments: bool) -> Prepared:
+            timeout: float | None, ordering: str, batch: bool, share_segments: bool, auto: Any = None) -> Prepared:
     """Place every array of a send (:class:`MemoTable.lend_again`, else :func:`find`, :func:`lend_in_place`
-    and :func:`place`), then order the writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
+    and :func:`place`, which copies into ``auto``'s pools when there is no ``pool``), then order the
+    writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
     nothing pending on ``stream``: ``cuStreamQuery``) or ``"event"`` (``cuEventRecord`` of an interprocess
     event). On failure every block taken is given back.
 
@@ -523,7 +554,7 @@ def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], 
                 lend_in_place(pool, found)
             for name, f in zip(names, found):
                 block, f.block = f.block, None  # from here on place() owns it
-                p = place(pool, name, f.src, f.itemsize, block, stream, timeout)
+                p = place(pool, name, f.src, f.itemsize, block, stream, timeout, auto)
                 placed.append(p)
                 # Remembered: arrays lent from this channel's own pool, which the channel holds anyway.
                 zero_copy = zero_copy and p.block is block and type(block) is Block and block.pool is pool

@@ -19,8 +19,10 @@ from ...errors import ForkedResourceError, InvalidArgumentError, NotSupportedErr
 
 __all__ = ["Agent", "NIXL_EXTRA", "is_remote", "nixl_module", "parse_address", "ucx_read_transports"]
 
-#: What a user installs to get the remote path.
-NIXL_EXTRA = "pip install 'dmabuf-interop[nixl]'"
+#: What a user installs to get the remote path: the wheel alone, as the README advises (the ``nixl``
+#: extra's ``nixl-cu13`` declares torch, which it needs only for tensors).
+NIXL_EXTRA = ("pip install --no-deps 'nixl-cu13==1.5.1' (or pip install 'dmabuf-interop[nixl]', "
+              "which also installs torch)")
 
 
 def is_remote(address: Any) -> bool:
