@@ -56,7 +56,7 @@ def test_serving_several_consumers_at_once() -> None:
     for c in consumers:
         assert finish(c).strip() == "{'w': 32768.0, 'b': 256.0}"
     out = finish(producer)
-    assert out.count("refused a consumer:") == 1 and "the peer refused this connection" in out, out
+    assert "refused consumers: 1" in out, out  # dropped, counted and logged: never raised from accept
 
 
 def test_torch_tensors_in_host_memory_without_a_gpu() -> None:
