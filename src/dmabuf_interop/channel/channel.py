@@ -464,7 +464,7 @@ class Channel:
         if self._proto.ended:
             return True
         try:
-            msg, fds = self._frames.read_by(deadline)  # (no remaining() and deadline_after() back: ~1 us a message)
+            msg, fds = self._frames.read_by(deadline)  # (no remaining() and deadline_after() back per message)
         except WaitTimeoutError as exc:
             if self._sock not in _broken_recv:
                 return False  # nothing began to arrive
