@@ -414,7 +414,7 @@ def _recv_framed(sock: socket.socket, deadline: float | None, max_fds: int, max_
     """:func:`recv_message` on any connected socket (a TCP one carries no fd: ``max_fds=0``): one
     :class:`FrameReader` that reads exactly one message and nothing of the next (``bufsize=0``)."""
     reader = FrameReader(sock, max_fds=max_fds, max_bytes=max_bytes, rest_timeout=rest_timeout, bufsize=0)
-    return reader._read(deadline)
+    return reader.read_by(deadline)
 
 
 class FrameReader:
@@ -557,9 +557,11 @@ class FrameReader:
         kernel truncated (``MSG_CTRUNC``), after the messages before it. A failure in the middle of
         a message, or a bad length, marks the connection broken for reading (every later call raises).
         """
-        return self._read(_deadline(timeout))
+        return self.read_by(_deadline(timeout))
 
-    def _read(self, deadline: float | None) -> tuple[dict[str, Any], list[int]]:
+    def read_by(self, deadline: float | None) -> tuple[dict[str, Any], list[int]]:
+        """:meth:`read` with ``deadline``, a ``time.monotonic()`` time (``None``: none), for a caller
+        that holds one: no conversion to a timeout and back per message."""
         sock = self.sock
         _check_in_step(sock, _broken_recv, "receive")
         try:

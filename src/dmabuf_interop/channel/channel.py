@@ -514,7 +514,8 @@ class Channel:
         """``batch``: ``"mapping"`` or ``"list"`` (:meth:`send_many`), ``None`` (:meth:`send`)."""
         if self._carrier.forced_ordering is not None:
             ordering = self._carrier.forced_ordering
-        check_meta(meta)
+        if meta is not None:  # (a call saved per send without meta)
+            check_meta(meta)
         ordering = ordering or self.ordering
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
@@ -743,7 +744,7 @@ class Channel:
         if self._proto.ended:
             return True
         try:
-            msg, fds = self._frames.read(remaining(deadline))
+            msg, fds = self._frames.read_by(deadline)  # (no remaining() and deadline_after() back per message)
         except WaitTimeoutError as exc:
             if self._sock not in _broken_recv:
                 return False  # nothing began to arrive
@@ -796,8 +797,9 @@ class Channel:
             events = self._proto.receive(msg, len(fds), descs)
             for ev in events:
                 if type(ev) is ArraysArrived:
-                    chunks = {cid: self._imports[cid] for cid in ev.chunks}
-                    for chunk in chunks.values():
+                    chunks = {}
+                    for cid in ev.chunks:
+                        chunk = chunks[cid] = self._imports[cid]
                         chunk.retain()  # mapped until received, whatever comes after (make_received)
                     views = None
                     if ev.layout is not None:
