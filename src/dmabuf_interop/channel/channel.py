@@ -916,7 +916,7 @@ class Channel:
     def _close_inherited(self) -> None:
         """``close()`` in a process that inherited the channel through fork(): no lock (a thread of the parent
         may have held one at the fork), no ``bye``, no shutdown; this process's copies of the fds are closed."""
-        self._proto.closed_here = True  # (this process's copy of the state)
+        self._proto.close()  # (this process's copy of the state: takes no lock)
         self._finalizer.detach()
         try:
             self._sock.close()
