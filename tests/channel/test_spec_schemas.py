@@ -134,7 +134,8 @@ def test_protocol_md_states_the_codes_limits() -> None:
     assert rows["chunks announced and not retired, per connection"] == str(P.MAX_CHUNKS)
     assert rows["`name`"] == f"{P.MAX_NAME_CHARS} characters"
     assert rows["handshake frame body"] == f"{HANDSHAKE_MAX_FRAME} bytes"
-    most = {"kind": "nixl", "agent": "a" * 256, "metadata": "A" * SCHEMAS["nixl"]["properties"]["metadata"]["maxLength"]}
+    most_metadata = "A" * SCHEMAS["nixl"]["properties"]["metadata"]["maxLength"]
+    most = {"kind": "nixl", "agent": "a" * 256, "metadata": most_metadata}
     assert len(json.dumps(most, separators=(",", ":"))) <= HANDSHAKE_MAX_FRAME  # the largest nixl message fits
     assert rows["handshake, per connection (listener's default)"] == f"{HANDSHAKE_TIMEOUT:g} s"
     assert rows["a refusal leaving"] == f"{REFUSE_TIMEOUT:g} s"
@@ -245,7 +246,7 @@ def test_every_dtype_and_the_most_dimensions_validate(tmp_path: Path) -> None:
                   else np.zeros(4, dtype=getattr(ml_dtypes, n))) for n, size in P.DTYPES.items()}
     with captured() as seen, SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
         with _pair(tmp_path, pool) as (prod, cons):
-            lease = prod.send_many({n: a for n, a in arrays.items()})
+            lease = prod.send_many(arrays)
             for r in cons.recv_many(5).values():
                 r.release()
             lease.wait(5)
