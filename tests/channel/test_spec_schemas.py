@@ -44,7 +44,7 @@ from dmabuf_interop.channel import protocol as P
 from dmabuf_interop.channel.protocol import MAX_METADATA_BYTES, parse_nixl, parse_region
 from dmabuf_interop.channel.auth import _NONCE_BYTES, _field, authenticate_connector, authenticate_listener
 from dmabuf_interop.channel.wire import MAX_FRAME
-from dmabuf_interop.errors import PeerRefusedError, ProtocolError
+from dmabuf_interop.errors import PeerRefusedError, ProtocolError, WaitTimeoutError
 from tests.helpers.remote import peer_env
 from tests.helpers.spec_capture import captured
 
@@ -111,7 +111,8 @@ def test_schema_numbers_are_the_codes() -> None:
 def test_protocol_md_states_the_codes_limits() -> None:
     from dmabuf_interop.channel.auth import MIN_SECRET_BYTES
     from dmabuf_interop.channel._link import SEND_TIMEOUT
-    from dmabuf_interop.channel._state import MAX_CHUNKS
+    from dmabuf_interop.channel.channel import MAX_QUEUED
+    from dmabuf_interop.channel.handshake import HANDSHAKE_MAX_FRAME, HANDSHAKE_TIMEOUT, REFUSE_TIMEOUT
     from dmabuf_interop.channel.wire import REST_TIMEOUT
 
     text = (ROOT / "docs" / "protocol.md").read_text()
@@ -130,10 +131,37 @@ def test_protocol_md_states_the_codes_limits() -> None:
     assert rows["`meta`"].startswith(f"{P.MAX_META_BYTES} bytes")
     assert rows["batch layouts remembered"] == str(P.MAX_LAYOUTS)
     assert rows["single-array layouts remembered"] == str(P.MAX_SINGLE_LAYOUTS)
-    assert rows["chunks announced and not retired, per connection"] == str(MAX_CHUNKS)
+    assert rows["chunks announced and not retired, per connection"] == str(P.MAX_CHUNKS)
+    assert rows["`name`"] == f"{P.MAX_NAME_CHARS} characters"
+    assert rows["handshake frame body"] == f"{HANDSHAKE_MAX_FRAME} bytes"
+    most_metadata = "A" * SCHEMAS["nixl"]["properties"]["metadata"]["maxLength"]
+    most = {"kind": "nixl", "agent": "a" * 256, "metadata": most_metadata}
+    assert len(json.dumps(most, separators=(",", ":"))) <= HANDSHAKE_MAX_FRAME  # the largest nixl message fits
+    assert rows["handshake, per connection (listener's default)"] == f"{HANDSHAKE_TIMEOUT:g} s"
+    assert rows["a refusal leaving"] == f"{REFUSE_TIMEOUT:g} s"
+    assert rows["array messages queued and not taken (Python receiver's default)"] == str(MAX_QUEUED)
     assert rows["`tcp://` secret"] == f"at least {MIN_SECRET_BYTES} bytes"
     assert rows["`nixl`, `region`: `metadata`"] == f"{MAX_METADATA_BYTES} bytes decoded"
     assert "src/dmabuf_interop/channel/spec/vectors/README.md" in text
+    assert text.startswith(f"# Channel wire protocol, version {P.PROTOCOL_VERSION}\n")
+    assert f"`urn:dmabuf-interop:channel:v{P.PROTOCOL_VERSION}:<kind>`" in text
+    assert f"this version: {P.PROTOCOL_VERSION})" in text
+    assert "`wire.MAX_FRAME`" in text and f"{HANDSHAKE_MAX_FRAME:,} bytes (`handshake.HANDSHAKE_MAX_FRAME`" in text
+
+
+def test_protocol_md_lists_every_dtype_with_its_itemsize() -> None:
+    """The descriptor's dtype table names each of protocol.DTYPES once, with its itemsize, and nothing else."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    table = text[text.index("| dtype | itemsize | element |"):text.index("## Chunks")]
+    listed: dict[str, int] = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("| "):
+            break
+        names, size = line.split("|")[1:3]
+        for name in re.findall(r"`([a-z0-9_]+)`", names):
+            assert name not in listed, name
+            listed[name] = int(size)
+    assert listed == P.DTYPES
 
 
 def test_integral_floats_are_the_one_difference_from_plain_json_schema() -> None:
@@ -162,7 +190,7 @@ def _pair(tmp_path: Path, pool: SharedPool | None, **connect_kw: Any):
         t = threading.Thread(target=connector)
         t.start()
         try:
-            ch = listener.accept(10)
+            ch = listener.accept(10, raise_refused=True)  # a refused handshake raises here, not times out
         finally:
             t.join(10)
         with ch:
@@ -206,6 +234,80 @@ def test_every_message_of_a_host_channel_validates(tmp_path: Path) -> None:
     assert any(m["kind"] == "array" and "layout" in m for m in seen)
     assert any(m["kind"] == "arrays" and m["mapping"] for m in seen)
     assert_valid(seen)
+
+
+def test_every_dtype_and_the_most_dimensions_validate(tmp_path: Path) -> None:
+    """Arrays of every wire dtype (torch's where torch has it, else ml_dtypes') and of MAX_NDIM dimensions, as
+    the library sends them: each descriptor validates, and together they name every dtype."""
+    import ml_dtypes
+    import torch
+
+    arrays = {n: (torch.zeros(4 * size, dtype=torch.uint8).view(getattr(torch, n)) if hasattr(torch, n)
+                  else np.zeros(4, dtype=getattr(ml_dtypes, n))) for n, size in P.DTYPES.items()}
+    with captured() as seen, SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        with _pair(tmp_path, pool) as (prod, cons):
+            lease = prod.send_many(arrays)
+            for r in cons.recv_many(5).values():
+                r.release()
+            lease.wait(5)
+            lease = prod.send(np.zeros((1,) * P.MAX_NDIM, dtype=np.float32))
+            r = cons.recv(5)
+            assert len(r.shape) == P.MAX_NDIM
+            r.release()
+            lease.wait(5)
+    descs = [d for m in seen if m["kind"] == "arrays" for d in m["items"]]
+    descs += [m["desc"] for m in seen if m["kind"] == "array"]
+    assert {d["dtype"] for d in descs} == set(P.DTYPES)
+    assert max(len(d["shape"]) for d in descs) == P.MAX_NDIM
+    assert_valid(seen)
+
+
+def _raw_to_listener(tmp_path: Path, first: bytes) -> dict[str, Any]:
+    """What a listener (handshake_timeout 0.5 s) sends a raw client that sends ``first`` and then waits: its
+    hello, then its refusal (the frames as they cross, read off the socket)."""
+    addr = str(tmp_path / "raw.sock")
+    with listen(addr, handshake_timeout=0.5) as listener, socket.socket(socket.AF_UNIX) as s:
+        got: dict[str, Any] = {}
+
+        def accept() -> None:  # (handshakes run while an accept takes connections)
+            try:
+                listener.accept(10, raise_refused=True)
+            except Exception as exc:  # noqa: BLE001 - the refusal, checked below
+                got["error"] = exc
+
+        t = threading.Thread(target=accept)
+        t.start()
+        s.settimeout(10)
+        s.connect(addr)
+        s.sendall(first)
+        frames, buf = [], b""
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                break
+            buf += data
+        while buf:
+            n = int.from_bytes(buf[:4], "big")
+            frames.append(json.loads(buf[4:4 + n]))
+            buf = buf[4 + n:]
+        t.join(10)
+        assert isinstance(got.get("error"), (ProtocolError, WaitTimeoutError)), got
+        assert listener.refused == 1
+    assert [f["kind"] for f in frames] == ["hello", "refuse"], frames
+    assert_valid(frames)
+    return frames[1]
+
+
+def test_the_listeners_handshake_refusals_validate(tmp_path: Path) -> None:
+    """docs/protocol.md, Deadlines and refusals: a hello begun and not finished within the deadline, and a
+    handshake frame past HANDSHAKE_MAX_FRAME, are refused with a reason before the listener drops the peer."""
+    from dmabuf_interop.channel.handshake import HANDSHAKE_MAX_FRAME
+
+    half = json.dumps({"kind": "hello", "protocol": P.PROTOCOL_VERSION}).encode()
+    slow = _raw_to_listener(tmp_path, (len(half) + 10).to_bytes(4, "big") + half)
+    assert "within 0.5 s" in slow["reason"]
+    big = _raw_to_listener(tmp_path, (HANDSHAKE_MAX_FRAME + 1).to_bytes(4, "big"))
+    assert str(HANDSHAKE_MAX_FRAME) in big["reason"], big
 
 
 def test_refusals_in_the_handshake_validate(tmp_path: Path) -> None:
