@@ -4,7 +4,7 @@ share of a CUDA tensor whose memory can travel as a POSIX fd goes through this l
 
 The pickled tuple keeps torch's shape, ``(rebuild_cuda_tensor, args)`` with torch's 15 arguments
 (the device index at ``args[6]``), so code that rewrites ``args[6]`` or calls ``func(*args)`` keeps
-working; ``args[7]`` is a :class:`~.broker.ShareHandle` instead of a CUDA IPC handle. See
+working; ``args[7]`` is a :class:`ShareHandle` instead of a CUDA IPC handle. See
 ``docs/torch-sharing.md``, and Note [Sharing torch memory by fd] below for the reasoning.
 """
 

@@ -1,14 +1,14 @@
-"""The per-process broker that lends shared memory by handle (the producer's side; the consumer's
-:class:`~.client.Client` that borrows from it is in :mod:`.client`).
+"""The per-process broker that lends shared memory by handle: the producer's side (the consumer's
+:class:`~.client.Client` that borrows from it is in :mod:`dmabuf_interop.integrations.torch_sharing.client`).
 
-Torch-free: the torch layer (:mod:`.` of this package) registers *shares* here
-and puts their :class:`ShareHandle` bytes into the pickled tuple; CPU tests
+Torch-free: the torch layer (:mod:`dmabuf_interop.integrations.torch_sharing`) registers *shares* here
+and puts their :class:`~.ShareHandle` bytes into the pickled tuple; CPU tests
 register memfd chunks the same way.
 
 A producer's :class:`Broker` listens on an AF_UNIX path socket in an
 owner-only folder (``0700``; the socket itself ``0600``), accepts only peers
 whose ``SO_PEERCRED`` uid it allows (default: its own effective uid), and
-serves each connection in a thread of its own. A consumer's :class:`Client`
+serves each connection in a thread of its own. A consumer's :class:`~.client.Client`
 (one per broker address, per process) sends ``open`` with a share's id and
 secret token; the broker answers ``lease`` with the chunk's fds
 (``SCM_RIGHTS``) the first time that connection asks for that chunk, and only

@@ -1,7 +1,7 @@
 """The consumer's side of the torch-sharing broker: a :class:`Client` per producer's broker (per
-process, from :func:`client_for`) that takes leases on shares by :class:`~._handle.ShareHandle` and
-maps each lent chunk once per device (:func:`default_importer`). The broker, the wire and the
-lifecycle are described in :mod:`.broker`. Torch-free.
+process, from :func:`client_for`) that takes leases on shares by :class:`~.ShareHandle` and maps
+each lent chunk once per device (:func:`default_importer`). The broker, the wire and the lifecycle
+are described in :mod:`dmabuf_interop.integrations.torch_sharing.broker`. Torch-free.
 
 A forked child inherits no client: at fork the child forgets the parent's connections without
 touching their sockets or mappings (see ``os.register_at_fork`` below), and connects anew on first use.
