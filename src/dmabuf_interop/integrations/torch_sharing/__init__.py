@@ -4,7 +4,7 @@ share of a CUDA tensor whose memory can travel as a POSIX fd goes through this l
 
 The pickled tuple keeps torch's shape, ``(rebuild_cuda_tensor, args)`` with torch's 15 arguments
 (the device index at ``args[6]``), so code that rewrites ``args[6]`` or calls ``func(*args)`` keeps
-working; ``args[7]`` is a :class:`~.broker.ShareHandle` instead of a CUDA IPC handle. See
+working; ``args[7]`` is a :class:`ShareHandle` instead of a CUDA IPC handle. See
 ``docs/torch-sharing.md``, and Note [Sharing torch memory by fd] below for the reasoning.
 """
 
@@ -17,6 +17,7 @@ from ... import _driver as driver
 from ...channel.segments import segments_for
 from ...errors import CudaError, InvalidArgumentError, NotSupportedError
 from . import broker as _broker
+from . import client as _client
 from .broker import MAGIC, ShareHandle
 
 __all__ = ["install", "uninstall", "installed", "rebuild_cuda_tensor", "share_storage", "ShareHandle"]
@@ -302,7 +303,7 @@ def _open_storage(handle: ShareHandle, device: int, nbytes: int) -> Any:
 
     from ...buffers import mapped_buffer
 
-    client = _broker.client_for(handle, _broker.default_importer, timeout=_options["timeout"])
+    client = _client.client_for(handle, _client.default_importer, timeout=_options["timeout"])
     wait = handle.address in _no_ipc_events
     lease, imp, offset, got, event = client.open(handle, device, wait=wait)
     hold = _Lease(client, lease, imp)
