@@ -15,7 +15,7 @@ from .stats import Stats
 
 __all__ = ["LATENCY_RATIO", "BANDWIDTH_RATIO", "POSIX_FD_OVERHEAD", "DMABUF_EXPORT_RATIO", "CHANNEL_RATIO",
            "CHANNEL_TAIL", "FIRST_HANDOFF_RATIO", "THROUGHPUT_PER_S", "HANDOFF_TARGET_MS", "COPY_TARGET_RATIO",
-           "PEER_TARGET_RATIO", "OVERHEAD_TARGET_PCT", "ratio", "cell_median", "row_p50", "bench_targets",
+           "PEER_TARGET_RATIO", "BACKEND_LIMIT_RATIO", "BACKEND_PEER_RATIO", "OVERHEAD_TARGET_PCT", "ratio", "cell_median", "row_p50", "bench_targets",
            "workload_targets", "remote_verdict"]
 
 # --- dmabuf-interop bench (hand-off latency, bandwidth, overhead, channel) --------------------
@@ -44,6 +44,9 @@ HANDOFF_TARGET_MS = {"ws-8b": 5.0, "ws-moe": 100.0}
 COPY_TARGET_RATIO = 1.25
 #: The hand-off, at least this many times faster than the best peer.
 PEER_TARGET_RATIO = 10.0
+#: ``--workload``: the vLLM backend's update (weights in the model) against the copy limit, and against the best peer.
+BACKEND_LIMIT_RATIO = 1.25
+BACKEND_PEER_RATIO = 3.0
 
 # --- bench --remote ----------------------------------------------------------------------------
 #: The tcp:// channel may cost at most this much throughput against the bare READ loop, percent.
@@ -215,9 +218,15 @@ def workload_targets(workload: str, placements: list[dict[str, Any]], host: bool
              bool(hm and peers) and min(peers) >= PEER_TARGET_RATIO * hm["p50"],
              f"{min(peers) / max(hm['p50'], 1e-9):.1f}x" if hm and peers else None),
         ]
-        from .weight_sync_vllm import targets as backend_targets
-
-        checks += backend_targets(rows, row_p50)
+        mine = row_p50(rows, "vllm-backend")
+        checks += [
+            (f"vllm-backend update <= {BACKEND_LIMIT_RATIO}x the copy limit",
+             mine is not None and lim and mine <= BACKEND_LIMIT_RATIO * lim,
+             mine is not None and lim and f"{mine / lim:.2f}x ({mine} ms)"),
+            (f"vllm-backend >= {BACKEND_PEER_RATIO:g}x faster than the best peer",
+             mine is not None and bool(peers) and min(peers) >= BACKEND_PEER_RATIO * mine,
+             f"{min(peers) / max(mine, 1e-9):.1f}x" if mine and peers else None),
+        ]
         growth = []
         for r in rows:
             for side in ("trainer", "engine"):

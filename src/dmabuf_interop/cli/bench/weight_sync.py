@@ -414,6 +414,18 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return None if stats is None else stats.to_json("p50", "p99", "n")
 
 
+def _vllm_backend_row(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``vllm-backend`` path for one placement: its two roles on a socket pair, as the peers."""
+    res = _run_peer("vllm-backend", cfg)
+    if res["status"] != "ok":
+        return _row("vllm-backend", "ours", None, status=res["status"], reason=res["reason"])
+    tr, en = res["trainer"], res["engine"]
+    ms = [(t1 - t0) / 1e6 for t0, t1 in zip(tr["t0"], en["t1"])]
+    return _row("vllm-backend", "ours", ms, status="ok", bad_checksums=en["bad_checksums"], trainer=tr["memory"],
+                engine=en["memory"], staged_bytes=tr["staged_bytes"], batches=tr["batches"],
+                what="TrainerEngine.send_weights -> WorkerEngine.receive_weights returned (load_weights copies)")
+
+
 def _row(name: str, kind: str, values: list[float] | None, **extra: Any) -> dict[str, Any]:
     return {"path": name, "kind": kind, "ms": _stats(values or []), **extra}
 
@@ -432,11 +444,9 @@ def _placement(label: str, cfg: dict[str, Any], say: Any) -> dict[str, Any]:
         rows.append(_row(v, "ours", eng["sync_ms"][v], status="ok", bad_checksums=eng["bad_checksums"],
                          trainer=tr["memory"].get(v), engine=eng["memory"].get(v),
                          send_ms=_stats(tr["send_ms"])))
-    if "vllm-backend" in paths:  # the vLLM backend in vLLM's order (weight_sync_vllm)
-        from .weight_sync_vllm import run as run_backend
-
+    if "vllm-backend" in paths:  # the vLLM backend in vLLM's order (weight_sync_vllm's two roles)
         say(f"placement {label}: vllm-backend")
-        rows.append(run_backend(cfg))
+        rows.append(_vllm_backend_row(cfg))
     if not cfg["host"] and "expandable-segments" in paths:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True},
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

@@ -26,9 +26,6 @@ from .weight_sync_backends import _steps, settle_gc
 
 #: The path's name in ``--paths`` and in the table.
 PATH = "vllm-backend"
-#: The backend's update against the copy limit, and against the best peer.
-LIMIT_RATIO = 1.25
-PEER_RATIO = 3.0
 SUMS = "__checksums__"
 
 
@@ -183,29 +180,3 @@ def engine(cfg: dict[str, Any], fd: int) -> dict[str, Any]:
     finally:
         ctl.close()
     return out
-
-
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The path for one placement: a row for :func:`.weight_sync._placement`."""
-    from .weight_sync import _row, _run_peer
-
-    res = _run_peer(PATH, cfg)  # two roles on a socket pair, as the peers
-    if res["status"] != "ok":
-        return _row(PATH, "ours", None, status=res["status"], reason=res["reason"])
-    tr, en = res["trainer"], res["engine"]
-    ms = [(t1 - t0) / 1e6 for t0, t1 in zip(tr["t0"], en["t1"])]
-    return _row(PATH, "ours", ms, status="ok", bad_checksums=en["bad_checksums"], trainer=tr["memory"],
-                engine=en["memory"], staged_bytes=tr["staged_bytes"], batches=tr["batches"],
-                what="TrainerEngine.send_weights -> WorkerEngine.receive_weights returned (load_weights copies)")
-
-
-def targets(rows: list[dict[str, Any]], p50: Any) -> list[tuple[str, Any, Any]]:
-    """The backend's targets: (text, met, value) as :func:`.targets.workload_targets` lists them."""
-    mine, lim = p50(rows, PATH), p50(rows, "copy-limit")
-    peers = [p for p in (p50(rows, "torch-reductions"), p50(rows, "ipc-buckets")) if p is not None]
-    return [
-        (f"{PATH} update <= {LIMIT_RATIO}x the copy limit", mine is not None and lim and mine <= LIMIT_RATIO * lim,
-         mine is not None and lim and f"{mine / lim:.2f}x ({mine} ms)"),
-        (f"{PATH} >= {PEER_RATIO:g}x faster than the best peer", mine is not None and bool(peers)
-         and min(peers) >= PEER_RATIO * mine, f"{min(peers) / max(mine, 1e-9):.1f}x" if mine and peers else None),
-    ]
