@@ -265,3 +265,38 @@ def test_no_fd_left_behind(tmp_path):
     before = len(os.listdir("/proc/self/fd"))
     test_versions_arrive_whole_and_staging_is_kept(tmp_path)
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_accept_while_takes_an_engine_whose_handshake_ends_after_the_call_returned(tmp_path):
+    """A peer's ``connect`` returns once it has sent its hello, before the listener has checked it: the
+    control-plane call (vLLM's ``init_weight_transfer_engine``) may return first. Here the engine's hello
+    is sent 0.3 s after the call returned; the publisher still takes that engine."""
+    import socket
+    import time
+
+    from dmabuf_interop.channel.handshake import hello, recv_hello
+    from dmabuf_interop.channel.wire import send_frame
+
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 16) as pub:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        late: list[threading.Thread] = []
+
+        def call() -> str:
+            sock.connect(addr)
+            recv_hello(sock, 30)  # the listener took it (accept(2)) and its handshake thread runs
+
+            def finish() -> None:
+                time.sleep(0.3)
+                send_frame(sock, hello(None, []))
+
+            late.append(threading.Thread(target=finish, daemon=True))
+            late[0].start()
+            return "returned"
+
+        try:
+            assert pub.accept_while(call, timeout=30) == "returned"
+            assert pub.engines == 1
+        finally:
+            late[0].join(30)
+            sock.close()

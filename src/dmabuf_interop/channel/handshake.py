@@ -470,6 +470,14 @@ class ListenerBase:
         return self._acceptor.refused
 
     @property
+    def handshaking(self) -> int:
+        """Connections taken by ``accept(2)`` whose handshake has not ended yet (their peers' ``connect``
+        may have returned already: a peer is done once it has sent its hello, the listener once it has
+        checked it)."""
+        with self._acceptor.mutex:
+            return len(self._acceptor.inflight)
+
+    @property
     def handshake_timeout(self) -> float | None:
         """Seconds each accepted connection has to complete its handshake (``None``: no limit)."""
         return self._acceptor.handshake_timeout

@@ -108,7 +108,8 @@ class WeightPublisher:
         """Run ``call`` in a thread and take every engine that connects until it returns, then its result.
 
         For a control plane that tells engines to connect and returns once they have (vLLM's
-        ``init_weight_transfer_engine``): the engines' ``connect`` completes only once accepted here.
+        ``init_weight_transfer_engine``). An engine's ``connect`` returns once it has sent its hello, so
+        handshakes still running here when ``call`` returns are waited for (within ``timeout``).
 
         Raises:
             WaitTimeoutError: ``call`` still running after ``timeout``; whatever ``call`` raised.
@@ -134,11 +135,16 @@ class WeightPublisher:
                 self.accept(timeout=0.05 if left is None else min(0.05, left))
             except WaitTimeoutError:
                 pass
-        while True:  # connections that were queued as the call returned
+        # The engines' connect() returns once they have sent their hello, before this side has checked it:
+        # take the connections queued as the call returned and those whose handshake is still running.
+        while True:
+            left = remaining(deadline)
+            pending = self._listener.handshaking > 0 and (left is None or left > 0)
             try:
-                self.accept(timeout=0)
+                self.accept(timeout=(0.05 if left is None else min(0.05, left)) if pending else 0)
             except WaitTimeoutError:
-                break
+                if not pending:
+                    break
         if "error" in out:
             raise out["error"]
         return out.get("value")  # type: ignore[return-value]
