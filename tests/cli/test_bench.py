@@ -25,6 +25,7 @@ from dmabuf_interop.cli.bench.catalog import MECHANISMS
 from dmabuf_interop.cli.bench.protocol import SPEC, check, make
 from dmabuf_interop.cli.bench.runner import PHASES
 from dmabuf_interop.cli.bench.stats import percentile
+from dmabuf_interop.cli.bench.targets import THROUGHPUT_PER_S
 from dmabuf_interop.errors import ProtocolError
 from dmabuf_interop.fdpass import recv_message, send_message
 from tests.helpers import env_with_src, run_cli
@@ -75,7 +76,7 @@ def test_memfd_bench_runs_and_writes_json(tmp_path):
     _check_cells(memfd, [4096, 65536])
     assert all(c["reps"] == 3 for c in memfd["cells"])
     assert set(data["targets"]) == {"latency", "bandwidth", "python_overhead", "channel", "first_handoff",
-                                    "throughput", "memory"}
+                                    "host", "throughput", "memory"}
     assert memfd["first_handoff_us"] > 0  # the run's very first hand-off, reported apart from the cells
     assert data["plot"] is None
 
@@ -107,7 +108,8 @@ def test_channel_host_bench_runs_and_writes_json(tmp_path):
     tput = data["throughput"]["channel-host"]
     assert tput["status"] == "ok" and tput["per_second"] > 0 and tput["size"] == 1 << 20, tput
     assert data["targets"]["throughput"]["measured"] == {"channel-host": tput["per_second"]}
-    assert "channel throughput >= 20,000/s" in out.stdout
+    assert data["targets"]["throughput"]["per_mechanism"] == {"channel-host": tput["per_second"] >= THROUGHPUT_PER_S}
+    assert f"channel throughput >= {THROUGHPUT_PER_S:,}/s" in out.stdout
     mem = data["targets"]["memory"]["per_mechanism"]["channel-host"]
     assert mem["hand_offs"] == tput["count"] and mem["fds_grew"] == 0 and mem["met"] is True, mem
     assert 0 <= mem["pool_overhead_bytes"] <= mem["chunk_bytes"]
@@ -123,9 +125,9 @@ def test_plot_is_written(tmp_path):
 
 
 def test_missing_peers_are_reported_not_installed(tmp_path):
-    missing = [n for n in ("torch-ipc", "cupy-ipc") if importlib.util.find_spec(MECHANISMS[n][1]) is None]
+    missing = [n for n in ("torch-ipc", "cupy-ipc", "iceoryx2") if importlib.util.find_spec(MECHANISMS[n][1]) is None]
     if not missing:
-        pytest.skip("torch and cupy are both installed here")
+        pytest.skip("torch, cupy and iceoryx2 are all installed here")
     path = tmp_path / "bench.json"
     out = run_cli("bench", "--mechanisms", ",".join(["memfd", *missing]), "--sizes", "4K", "--reps", "1",
                   "--warmup", "0", "--json", str(path))
@@ -137,6 +139,8 @@ def test_missing_peers_are_reported_not_installed(tmp_path):
         assert mech["cells"] == []  # never a number
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(name))
         assert "not installed" in line
+        if name == "iceoryx2":  # the reason says how to get it
+            assert "pip install iceoryx2" in mech["reason"] and "pip install iceoryx2" in line
     assert data["targets"]["latency"]["met"] is None
 
 
@@ -184,7 +188,8 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
 
 
 def test_bad_mechanism_devices_and_reps_exit_2():
-    for args in (("--mechanisms", "nccl"), ("--devices", "0"), ("--reps", "0")):
+    for args in (("--mechanisms", "nccl"), ("--devices", "0"), ("--reps", "0"), ("--consumer-spin", "-1e-6"),
+                 ("--consumer-spin", "2"), ("--consumer-spin", "fast")):
         out = run_cli("bench", *args)
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
 
@@ -238,6 +243,7 @@ def test_every_kind_builds_and_checks():
         "bw": {"result": {"size": 4096, "device": 0}}, "overhead": {"result": {}}, "done": {"role": "consumer"},
         "error": {"reason": "x", "unsupported": False}, "ready": {"size": 4096}, "handoff": {"rep": 0},
         "ack": {"rep": 0}, "pool": {}, "channel": {"address": "/tmp/x.sock"},
+        "idle": {"cpu_ns": 10, "wall_ns": 1_000_000_000}, "service": {"name": "dmabuf-interop-bench/1/4096"},
     }
     assert set(samples) == set(SPEC)
     for kind, fields in samples.items():
@@ -260,6 +266,13 @@ def test_every_kind_builds_and_checks():
     ({**CONFIG, "kind": "config", "sizes": [4096, -1]}, "sizes"),
     ({**CONFIG, "kind": "config", "devices": [0]}, "devices"),
     ({**CONFIG, "kind": "config", "reps": 0}, "reps"),
+    ({**CONFIG, "kind": "config", "spin": -1e-6}, "spin"),
+    ({**CONFIG, "kind": "config", "spin": 5}, "spin"),
+    ({"kind": "cell", "size": 4096, "cpu": {"loop_ns": -1}}, "cpu"),
+    ({"kind": "cell", "size": 4096, "cpu": {"user_ns": 1}}, "cpu"),
+    ({"kind": "idle", "cpu_ns": -1}, "nanoseconds"),
+    ({"kind": "idle", "wall_ns": 1.5}, "type float"),
+    ({"kind": "service"}, "lacks 'name'"),
 ])
 def test_malformed_messages_are_protocol_errors(msg, why):
     kinds = (msg["kind"],) if msg.get("kind") in SPEC else ("ack",)
@@ -525,9 +538,9 @@ def test_options_that_do_not_apply_get_one_note_line():
     assert out.returncode == 0, out.stderr
     assert "note: --paths does not apply without --workload; ignored" in out.stderr
     out = run_cli("bench", "--workload", "ws-8b", "--small", "--host", "--sizes", "4K", "--reps", "1",
-                  "--warmup", "0")
+                  "--warmup", "0", "--consumer-spin", "1e-5")
     assert out.returncode == 0, out.stderr
-    assert "note: --sizes does not apply to --workload; ignored" in out.stderr
+    assert "note: --sizes, --consumer-spin do not apply to --workload; ignored" in out.stderr
 
 
 @pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c", "sigint-to-parent"])

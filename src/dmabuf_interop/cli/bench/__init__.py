@@ -4,6 +4,10 @@ For each mechanism (:mod:`.catalog`) and size the parent (:mod:`.runner`)
 starts a producer and a consumer (:mod:`.peers`); both create their CUDA
 context and load their kernels (:mod:`.reader`) before anything is timed,
 then hand a buffer over ``--warmup`` + ``--reps`` times (:mod:`.protocol`).
+``--consumer-spin`` measures the mechanisms whose consumer can poll before it sleeps
+(:data:`.catalog.SPINNING`: the channels and iceoryx2, :mod:`.iceoryx`) a second time with a spinning
+consumer. Each cell also carries both sides' CPU time per hand-off, and those mechanisms the CPU time
+of a consumer waiting with nothing sent. Pipelined throughput follows (:mod:`.throughput`).
 With a GPU, a last pair measures read bandwidth through a POSIX-fd import
 (:mod:`.bandwidth`) and the library's Python overhead (:mod:`.overhead`).
 :mod:`.targets` holds every pass/fail target and judges a run, :mod:`.report`
@@ -30,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from .._units import GiB, KiB, MiB, seconds_argument, size_label, word_size_argument
-from .catalog import CUDA_FREE, MECHANISMS
+from .catalog import CUDA_FREE, INSTALL, MECHANISMS, SPINNING
 from .report import JSON_SCHEMA
 
 __all__ = ["add_arguments", "main", "parse_sizes", "DEFAULT_SIZES"]
@@ -77,6 +81,16 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _spin_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid --consumer-spin {text!r}: expected seconds") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid --consumer-spin {text!r}: must be 0 to 1 seconds")
+    return value
+
+
 def _devices(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"\s*([0-9]+)\s*,\s*([0-9]+)\s*", text)
     if not m:
@@ -118,6 +132,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_count(0), default=3, help="untimed repetitions first (default 3)")
     p.add_argument("--mechanisms", type=_mechanisms, default=list(MECHANISMS),
                    help=f"comma-separated, default all: {','.join(MECHANISMS)}")
+    p.add_argument("--consumer-spin", type=_spin_seconds, default=0.0, metavar="SECONDS",
+                   help=f"also measure {', '.join(SPINNING)} with a consumer that polls for up to SECONDS before "
+                        "it sleeps (the channel's Channel.spin, reported unsupported where the channel has no such "
+                        "attribute; iceoryx2 polls Subscriber.receive), e.g. 50e-6; 0 (default): blocking "
+                        "consumers only")
     p.add_argument("--devices", type=_devices, default=(0, 0), metavar="P,C",
                    help="CUDA ordinals of the producer and the consumer (default 0,0)")
     p.add_argument("--json", type=output_path, metavar="PATH",
@@ -143,11 +162,13 @@ def _note_ignored(args: argparse.Namespace) -> None:
 
     if getattr(args, "workload", None):
         given = [o for o, v, d in (("--sizes", args.sizes, list(DEFAULT_SIZES)),
-                                   ("--mechanisms", args.mechanisms, list(MECHANISMS))) if v != d]
+                                   ("--mechanisms", args.mechanisms, list(MECHANISMS)),
+                                   ("--consumer-spin", getattr(args, "consumer_spin", 0.0), 0.0)) if v != d]
         where = "--workload"
     elif getattr(args, "remote", False):
         given = [o for o, v in (("--mechanisms", args.mechanisms != list(MECHANISMS)),
                                 ("--devices", tuple(args.devices) != (0, 0)), ("--plot", bool(args.plot)),
+                                ("--consumer-spin", bool(getattr(args, "consumer_spin", 0.0))),
                                 ("--small", getattr(args, "small", False)), ("--host", getattr(args, "host", False)),
                                 ("--paths", tuple(getattr(args, "paths", PATHS)) != PATHS))
                  if v]
@@ -160,6 +181,40 @@ def _note_ignored(args: argparse.Namespace) -> None:
     if given:
         print(f"dmabuf-interop: note: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply "
               f"{where if where.startswith('without') else 'to ' + where}; ignored", file=sys.stderr)
+
+
+def _measure(name: str, cfg: dict[str, Any], runnable: list[str], env: dict[str, Any], progress: Any,
+             label: str) -> dict[str, Any]:
+    """One mechanism's entry of the JSON ``mechanisms`` (or ``spinning``): run in a fresh pair, or why not."""
+    from .environment import installed
+    from .runner import run_pair
+
+    kind, module, what = MECHANISMS[name]
+    entry: dict[str, Any] = {"kind": kind, "description": what, "cells": []}
+    if not installed(module):
+        hint = f" ({INSTALL[module]})" if module in INSTALL else ""
+        entry.update(status="not installed", reason=f"{module} is not installed{hint}")
+        progress.say(f"{label}: not installed: {module}{hint}")
+    elif name not in runnable:
+        entry.update(status="skipped", reason=env["cuda"]["reason"])
+        progress.say(f"{label}: skipped: {env['cuda']['reason']}")
+    else:
+        progress.say(f"{label}: starting producer and consumer")
+        t = time.monotonic()
+        res = run_pair(name, cfg, progress, label=label.split("] ", 1)[-1])
+        entry.update(status=res["status"], reason=res["reason"], cells=res["cells"],
+                     versions=res["versions"], seconds=round(time.monotonic() - t, 1))
+        if "spin" in cfg:
+            entry["consumer_spin_s"] = cfg["spin"]
+        for key in ("first_handoff_us", "idle"):
+            if res.get(key) is not None:
+                entry[key if key != "idle" else "idle_consumer"] = res[key]
+        if name not in CUDA_FREE:
+            entry["devices"] = {"producer": cfg["devices"][0], "consumer": cfg["devices"][1]}
+        imports = sorted({c["import"] for c in res["cells"] if "import" in c})
+        if imports:
+            entry["import"] = "; ".join(imports)
+    return entry
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,44 +261,33 @@ def main(args: argparse.Namespace) -> int:
         "plot": None,
     }
     runnable = [n for n in names if installed(MECHANISMS[n][1]) and (cuda_ok or n in CUDA_FREE)]
-    progress = Progress(len(runnable) * len(sizes))
+    spin: float = args.consumer_spin
+    spinners = [n for n in names if n in SPINNING and n in runnable] if spin > 0 else []
+    results["config"]["consumer_spin"] = spin
+    progress = Progress((len(runnable) + len(spinners)) * len(sizes))
     progress.say(f"{len(names)} mechanism(s), sizes {','.join(size_label(s) for s in sizes)}, {args.reps} reps "
                  f"after {args.warmup} warm-ups" + (f", producer GPU {producer}, consumer GPU {consumer}"
-                                                    if cuda_ok else ""))
+                                                    if cuda_ok else "")
+                 + (f"; then {', '.join(spinners)} with the consumer spinning up to {spin:g} s" if spinners else ""))
     failed = False
     try:
         for i, name in enumerate(names, 1):
-            kind, module, what = MECHANISMS[name]
-            entry: dict[str, Any] = {"kind": kind, "description": what, "cells": []}
-            if not installed(module):
-                entry.update(status="not installed", reason=f"{module} is not installed")
-                progress.say(f"[{i}/{len(names)}] {name}: not installed ({module})")
-            elif name not in runnable:
-                entry.update(status="skipped", reason=env["cuda"]["reason"])
-                progress.say(f"[{i}/{len(names)}] {name}: skipped: {env['cuda']['reason']}")
-            else:
-                progress.say(f"[{i}/{len(names)}] {name}: starting producer and consumer")
-                t = time.monotonic()
-                res = run_pair(name, cfg, progress)
-                entry.update(status=res["status"], reason=res["reason"], cells=res["cells"],
-                             versions=res["versions"], seconds=round(time.monotonic() - t, 1))
-                if res.get("first_handoff_us") is not None:
-                    entry["first_handoff_us"] = res["first_handoff_us"]
-                if name not in CUDA_FREE:
-                    entry["devices"] = {"producer": producer, "consumer": consumer}
-                imports = sorted({c["import"] for c in res["cells"] if "import" in c})
-                if imports:
-                    entry["import"] = "; ".join(imports)
-                failed = failed or res["status"] == "error"
+            entry = _measure(name, cfg, runnable, env, progress, f"[{i}/{len(names)}] {name}")
             results["mechanisms"][name] = entry
+            failed = failed or entry["status"] == "error"
+        results["spinning"] = {}
+        for i, name in enumerate(spinners, 1):
+            entry = _measure(name, {**cfg, "spin": spin}, runnable, env, progress,
+                             f"[{i}/{len(spinners)}] {name}, consumer spinning")
+            results["spinning"][name] = entry
+            failed = failed or entry["status"] == "error"
         results["throughput"] = {}
-        for name in ("channel", "channel-host"):
+        for name in ("channel", "channel-host", "iceoryx2"):
             if name in runnable and results["mechanisms"][name].get("status") == "ok":
                 from .throughput import measure
 
                 progress.say(f"{name} throughput: 1 MiB blocks, pipelined")
-                results["throughput"][name] = measure(name == "channel-host", (producer, consumer),
-                                                      timeout=args.timeout)
+                results["throughput"][name] = measure(name, (producer, consumer), timeout=args.timeout)
         if cuda_ok and ("posix-fd" in names or "posix-fd-cached" in names):
             progress.say("bandwidth and Python overhead: starting producer and consumer")
             res = run_pair("_bandwidth", cfg, progress)

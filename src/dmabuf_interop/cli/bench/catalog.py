@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from .iceoryx import INSTALL_HINT as ICEORYX_INSTALL, MECHANISMS as ICEORYX
 from .torch_sharing import MECHANISMS as TORCH_SHARING
 
-__all__ = ["MECHANISMS", "CUDA_FREE", "GPU_HANDOFF_OURS", "CACHED_RING"]
+__all__ = ["MECHANISMS", "CUDA_FREE", "GPU_HANDOFF_OURS", "CACHED_RING", "SPINNING", "INSTALL"]
 
 #: Buffers per size in the producer's ring for ``posix-fd-cached``.
 CACHED_RING = 2
@@ -50,7 +51,12 @@ MECHANISMS: dict[str, tuple[str, str | None, str]] = {
                  "as JSON, ipcOpenMemHandle / ipcCloseMemHandle in the consumer"),
 }
 MECHANISMS.update(TORCH_SHARING)
+MECHANISMS.update(ICEORYX)
 #: Mechanisms that need no CUDA driver.
-CUDA_FREE = frozenset({"memfd", "channel-host"})
+CUDA_FREE = frozenset({"memfd", "channel-host", *ICEORYX})
+#: Mechanisms whose consumer can poll before it sleeps, measured a second time with ``--consumer-spin``.
+SPINNING = ("channel", "channel-host", *ICEORYX)
+#: module -> how to install it, for a peer library reported as not installed.
+INSTALL = {"iceoryx2": ICEORYX_INSTALL}
 #: Ours whose consumer ends up with a usable CUDA device pointer (candidates for "our fastest").
 GPU_HANDOFF_OURS = ("posix-fd", "posix-fd-cached", "dmabuf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import subprocess
 import time
@@ -61,7 +62,9 @@ def environment() -> dict[str, Any]:
             "torch": _dist_version("torch") if installed("torch") else None,
             "cupy": _cupy_version(),
             "matplotlib": _dist_version("matplotlib") if installed("matplotlib") else None,
+            "iceoryx2": _dist_version("iceoryx2") if installed("iceoryx2") else None,
         },
+        "cpus": len(os.sched_getaffinity(0)),  # the CPUs this process may run on (spinning consumers need one each)
     }
     try:
         with open("/proc/cpuinfo") as fh:

@@ -24,6 +24,7 @@ from ...errors import CudaError, DmaBufError, NotSupportedError, ProtocolError, 
 from ...fdpass import close_fds, recv_message, send_message
 from . import bandwidth
 from .catalog import CACHED_RING, MECHANISMS
+from .iceoryx import peers as iceoryx_peers
 from .overhead import CallTimer
 from .protocol import check, make, take_fd
 from .reader import Reader
@@ -50,6 +51,8 @@ class Peer:
     """One mechanism, either role: set-up, then per cell and repetition the hooks below."""
 
     uses_cuda = True
+    #: The consumer measures its CPU time while it waits with nothing sent (:meth:`idle`), after the last cell.
+    measures_idle = False
 
     def __init__(self, role: str, pc: socket.socket, aux: socket.socket, cfg: dict[str, Any]) -> None:
         self.role = role
@@ -102,6 +105,15 @@ class Peer:
 
     def release_consumer(self) -> None:
         pass
+
+    def idle(self, seconds: float) -> tuple[int, int]:
+        """Consumer: wait ``seconds`` for a hand-off that does not come, as :meth:`consume` waits;
+        ``(process CPU ns, wall ns)`` over the wait (:attr:`measures_idle` peers only).
+
+        Raises:
+            ProtocolError: something arrived.
+        """
+        raise NotImplementedError
 
     # helpers shared by the library's own mechanisms
     def recv_handoff(self, max_fds: int = 1) -> tuple[dict[str, Any], list[int]]:
@@ -331,9 +343,14 @@ class ChannelPeer(Peer):
     :data:`~.catalog.CACHED_RING` ``pool.empty`` arrays; before t0 it waits for the lease on the slot
     it reuses (released two repetitions earlier, so the wait is normally over). No export happens per
     hand-off: t_exp = t_send = t0 and ``Channel.send`` is timed as transport.
+
+    The consumer's channel gets ``Channel.spin`` (seconds it polls before it sleeps) where the channel
+    has the attribute: 0 for a blocking consumer, the configuration's ``spin`` for a spinning one; a
+    spinning consumer on a channel without it is a ``NotSupportedError``.
     """
 
     host = False
+    measures_idle = True
 
     def setup(self) -> dict[str, Any]:
         from ...channel import SharedPool, listen
@@ -381,6 +398,12 @@ class ChannelPeer(Peer):
             from ...channel import connect
 
             self.ch = connect(self.address, timeout=self.timeout, device=None if self.host else self.consumer_device)
+            spin = float(self.cfg.get("spin", 0))
+            if hasattr(self.ch, "spin"):
+                self.ch.spin = spin
+            elif spin > 0:
+                raise NotSupportedError("this Channel has no spin attribute: its consumer cannot poll before it "
+                                        "sleeps (it blocks in recv)")
         self.received = self.ch.recv(self.timeout, stream=stream)
         t_recv = now()
         view = self.received.as_array()
@@ -394,6 +417,15 @@ class ChannelPeer(Peer):
     def release_consumer(self) -> None:
         self.received.release()
         del self.received
+
+    def idle(self, seconds: float) -> tuple[int, int]:
+        cpu, t = time.process_time_ns(), now()
+        try:
+            received = self.ch.recv(seconds)
+        except WaitTimeoutError:
+            return time.process_time_ns() - cpu, now() - t
+        received.release()
+        raise ProtocolError("channel: an array arrived while the producer sent nothing")
 
     def cell_end(self) -> dict[str, Any]:
         if self.role == "producer":
@@ -619,20 +651,37 @@ PEERS: dict[str, type[Peer]] = {
     "cupy-ipc": CupyIpc,
 }
 PEERS.update(torch_sharing_peers(TorchIpc))
+PEERS.update(iceoryx_peers(Peer))
 assert set(PEERS) == set(MECHANISMS)
 
 
+#: Seconds a consumer that :attr:`~Peer.measures_idle` waits with nothing sent, after the last cell's repetitions.
+IDLE_SECONDS = 1.0
+
+
 def _latency(peer: Peer, ctl: socket.socket) -> None:
-    """Every cell of :mod:`.protocol`'s latency exchange, then the records to the parent."""
+    """Every cell of :mod:`.protocol`'s latency exchange, then the records to the parent.
+
+    Beside the stamps, each side counts its process CPU time (``time.process_time_ns``: every thread, user
+    and system) over the timed repetitions (``loop_ns``: the hand-offs and the benchmark's ``ack`` and
+    releases) and inside ``produce`` / ``consume`` (``handoff_ns``: a consumer's wait included).
+    """
     warm, reps = int(peer.cfg["warmup"]), int(peer.cfg["reps"])
+    sizes = peer.cfg["sizes"]
+    clock = time.process_time_ns
     first = None  # the very first hand-off of the run (first cell, first warm-up): reported on its own
-    for size in peer.cfg["sizes"]:
+    for size in sizes:
         peer.cell(size)
         records = []
+        loop0 = inside = 0
         if peer.role == "producer":
             check(recv_message(peer.pc, peer.timeout, max_fds=0)[0], "ready")
             for rep in range(warm + reps):
+                c = clock()
                 rec = peer.produce(rep)
+                if rep >= warm:
+                    inside += clock() - c
+                    loop0 = loop0 or c
                 check(recv_message(peer.pc, peer.timeout, max_fds=0)[0], "ack")
                 peer.release_producer()
                 first = rec if first is None else first
@@ -641,19 +690,31 @@ def _latency(peer: Peer, ctl: socket.socket) -> None:
         else:
             send_message(peer.pc, make("ready", size=size))
             for rep in range(warm + reps):
+                c = clock()
                 rec = peer.consume(rep)
+                if rep >= warm:
+                    inside += clock() - c
+                    loop0 = loop0 or c
                 peer.release_consumer()
                 send_message(peer.pc, make("ack", rep=rep))
                 first = rec if first is None else first
                 if rep >= warm:
                     records.append(rec)
+        cpu = {"loop_ns": clock() - loop0, "handoff_ns": inside}
+        if peer.measures_idle and size == sizes[-1]:  # the wait of a consumer that nothing reaches
+            if peer.role == "consumer":
+                cpu_ns, wall_ns = peer.idle(IDLE_SECONDS)
+                send_message(ctl, make("idle", cpu_ns=cpu_ns, wall_ns=wall_ns))
+                send_message(peer.pc, make("idle"))
+            else:
+                check(recv_message(peer.pc, peer.timeout + IDLE_SECONDS, max_fds=0)[0], "idle")
         info = peer.cell_end()
         if first is not None and "t" in first:
             send_message(ctl, make("first", t=first["t"]))
             first = {}
         for rec in records:
             send_message(ctl, make("rec", **rec))
-        send_message(ctl, make("cell", size=size, **info))
+        send_message(ctl, make("cell", size=size, cpu=cpu, **info))
 
 
 def run(role: str, ctl: socket.socket, pc: socket.socket, aux: socket.socket) -> int:

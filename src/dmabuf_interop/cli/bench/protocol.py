@@ -14,7 +14,8 @@ each kind and their JSON types, ``?`` marking optional ones:
 =========  ===============  =================================================================
 kind       direction        fields
 =========  ===============  =================================================================
-config     parent -> child  mechanism, sizes [bytes], reps, warmup, devices [P, C], timeout (s)
+config     parent -> child  mechanism, sizes [bytes], reps, warmup, devices [P, C], timeout (s),
+                            spin? (s the consumer polls before it sleeps; 0 or absent: it blocks)
 hello      child -> parent  role, status (``ok``/``not installed``/``unsupported``/``error``),
                             reason?, versions?, pid?
 rec        child -> parent  t: three ``CLOCK_MONOTONIC`` ns stamps (producer: t0, t_exp, t_send;
@@ -22,7 +23,11 @@ rec        child -> parent  t: three ``CLOCK_MONOTONIC`` ns stamps (producer: t0
                             import); steps? (driver call -> ns); first_share?
 first      child -> parent  t: the stamps of the run's very first hand-off (first cell, first warm-up),
                             before the first cell's ``rec`` s
-cell       child -> parent  size, import? (the consumer's import status); after its ``rec`` s
+cell       child -> parent  size, import? (the consumer's import status), cpu? (``loop_ns``: process
+                            CPU time over the timed repetitions, ``handoff_ns``: the part inside
+                            produce / consume); after its ``rec`` s
+idle       child -> parent  cpu_ns, wall_ns: the consumer's process CPU time while it waited with
+                            nothing sent, after the last cell
 bw         child -> parent  result: one size of the bandwidth pass
 overhead   child -> parent  result: the Python-overhead measurement
 done       child -> parent  role
@@ -32,6 +37,8 @@ handoff    producer -> cons rep and the mechanism's fields (below); an fd where 
 ack        consumer -> prod rep: the consumer has released this repetition's import
 pool       producer -> cons (cuda-core-ipc, once) the memory pool's allocation handle as the fd
 channel    producer -> cons (channel, channel-host, once) address: the path the producer listens on
+service    producer -> cons (iceoryx2, once per cell) name: the iceoryx2 service of the cell
+idle       consumer -> prod (mechanisms that measure it) the idle wait is over: the producer may close
 =========  ===============  =================================================================
 
 Hand-off fields: ``descriptor`` (a :class:`~dmabuf_interop.ShareDescriptor`)
@@ -66,11 +73,13 @@ STATUSES = ("ok", "not installed", "unsupported", "error")
 _NUM = (int, float)
 #: kind -> {field: JSON type(s)}; a name ending in ``?`` is optional.
 SPEC: dict[str, dict[str, Any]] = {
-    "config": {"mechanism": str, "sizes": list, "reps": int, "warmup": int, "devices": list, "timeout": _NUM},
+    "config": {"mechanism": str, "sizes": list, "reps": int, "warmup": int, "devices": list, "timeout": _NUM,
+               "spin?": _NUM},
     "hello": {"role": str, "status": str, "reason?": (str, type(None)), "versions?": dict, "pid?": int},
     "rec": {"t": list, "steps?": dict, "first_share?": bool},
     "first": {"t": list},
-    "cell": {"size": int, "import?": str},
+    "cell": {"size": int, "import?": str, "cpu?": dict},
+    "idle": {"cpu_ns?": int, "wall_ns?": int},
     "bw": {"result": dict},
     "overhead": {"result": dict},
     "done": {"role": str},
@@ -81,6 +90,7 @@ SPEC: dict[str, dict[str, Any]] = {
     "ack": {"rep": int},
     "pool": {},
     "channel": {"address": str},
+    "service": {"name": str},
 }
 
 
@@ -99,12 +109,19 @@ def _deep(kind: str, msg: dict[str, Any]) -> str | None:
             return "devices must be two CUDA ordinals"
         if msg["reps"] < 1 or msg["warmup"] < 0 or not msg["timeout"] > 0:
             return "reps >= 1, warmup >= 0 and timeout > 0"
+        if not 0 <= msg.get("spin", 0) <= 1:
+            return "spin must be 0 to 1 s"
     elif kind == "rec":
         t = msg["t"]
         if len(t) != 3 or not _is(t[0], int) or not all(x is None or _is(x, int) for x in t[1:]):
             return "t must be three nanosecond stamps (the last two may be null)"
         if not all(isinstance(k, str) and _is(v, int) for k, v in msg.get("steps", {}).items()):
             return "steps must map call names to nanoseconds"
+    elif kind == "cell" and not all(k in ("loop_ns", "handoff_ns") and _is(v, int) and v >= 0
+                                    for k, v in msg.get("cpu", {}).items()):
+        return "cpu must map loop_ns and handoff_ns to nanoseconds"
+    elif kind == "idle" and any(not (_is(msg.get(k, 0), int) and msg.get(k, 0) >= 0) for k in ("cpu_ns", "wall_ns")):
+        return "cpu_ns and wall_ns must be nanoseconds"
     elif kind == "bw" and not (_is(msg["result"].get("size"), int) and _is(msg["result"].get("device"), int)):
         return "result needs the size and the device"
     elif kind == "hello" and msg["status"] not in STATUSES:

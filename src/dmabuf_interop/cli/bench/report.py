@@ -9,7 +9,7 @@ from typing import Any
 from .._units import MiB, size_label
 from .catalog import MECHANISMS
 from .targets import (BANDWIDTH_RATIO, CHANNEL_RATIO, CHANNEL_TAIL, DMABUF_EXPORT_RATIO, FIRST_HANDOFF_RATIO,
-                      LATENCY_RATIO, POSIX_FD_OVERHEAD, THROUGHPUT_PER_S, cell_median, ratio)
+                      HOST_RATIO, LATENCY_RATIO, POSIX_FD_OVERHEAD, THROUGHPUT_PER_S, cell_median, ratio)
 
 __all__ = ["JSON_SCHEMA", "fmt", "print_table", "pyplot", "plot", "write_json"]
 
@@ -31,6 +31,39 @@ def fmt(v: float | None) -> str:
 
 def _verdict(met: bool | None) -> str:
     return "n/a" if met is None else ("MET" if met else "NOT MET")
+
+
+def _cpu_table(results: dict[str, Any], w: Any) -> None:
+    """Each run's hand-off median and p99 beside both sides' CPU time per hand-off, blocking and spinning
+    consumers, and the CPU of a consumer that waited with nothing sent."""
+    runs = [(name, "blocking", m) for name, m in results["mechanisms"].items()]
+    spinning = results.get("spinning", {})
+    runs += [(name, "spinning", m) for name, m in spinning.items()]
+    runs.sort(key=lambda r: list(results["mechanisms"]).index(r[0]))  # a mechanism's two modes together
+    if not any(c.get("cpu_us_per_handoff") for _, _, m in runs for c in m.get("cells", [])) and not spinning:
+        return
+    spin = results["config"].get("consumer_spin") or 0
+    w(f"\nhand-off (total) median and p99, us; CPU us per hand-off of each side's process over the timed "
+      f"repetitions (in parentheses: inside send / recv, a consumer's wait included); consumer blocking"
+      + (f", or spinning up to {spin * 1e6:g} us before it sleeps" if spinning else "") + ":\n")
+    w(f"{'mechanism':<16}{'consumer':>9}{'size':>8}{'median':>9}{'p99':>9}{'CPU producer':>16}{'CPU consumer':>16}\n")
+    for name, mode, m in runs:
+        if m["status"] != "ok" and not m.get("cells"):
+            w(f"{name:<16}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
+            continue
+        for c in m["cells"]:
+            st = c["phases_us"].get("total") or c["phases_us"]["export_transport"]
+            cpu = c.get("cpu_us_per_handoff") or {}
+            sides = [f"{fmt(cpu[s]['loop'])} ({fmt(cpu[s]['handoff'])})" if s in cpu else "-"
+                     for s in ("producer", "consumer")]
+            w(f"{name:<16}{mode:>9}{c['label']:>8}{fmt(st['median']):>9}{fmt(st['p99']):>9}"
+              f"{sides[0]:>16}{sides[1]:>16}\n")
+        if m["status"] != "ok":
+            w(f"{name:<16}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
+    idle = [f"{name} {mode} {m['idle_consumer']['cpu_pct']:g}%" for name, mode, m in runs if m.get("idle_consumer")]
+    if idle:
+        wall = next(m["idle_consumer"]["wall_s"] for _, _, m in runs if m.get("idle_consumer"))
+        w(f"consumer CPU while waiting {wall:g} s with nothing sent: {', '.join(idle)}\n")
 
 
 def print_table(results: dict[str, Any], file: Any = None) -> None:
@@ -68,6 +101,7 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
         notes = sorted({c["import"] for c in m["cells"] if c.get("import") and c["import"] != "ok"})
         for note in notes:
             w(f"{'':<16}{'':>8}  import {note}; total in parentheses is export+transport only\n")
+    _cpu_table(results, w)
     bw = results.get("bandwidth") or {}
     if bw.get("sizes"):
         first = bw["sizes"][0]
@@ -143,10 +177,16 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
                   if fh["met"] is not None else fh.get("note", ""))
         w(f"  first hand-off through a fresh channel <= {FIRST_HANDOFF_RATIO:g} x torch-ipc's first share: "
           f"{_verdict(fh['met'])}  {detail}\n")
+    ho = t.get("host")
+    if ho:
+        detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x ({fmt(x['channel_host_us'])} us {x['channel_host_mode']} "
+                           f"vs {fmt(x['iceoryx2_us'])} us {x['iceoryx2_mode']})" for x in ho["per_size"])
+        detail = "; ".join(d for d in (detail, ho.get("note")) if d)
+        w(f"  channel-host <= {HOST_RATIO:g} x iceoryx2 (median, spinning allowed): {_verdict(ho['met'])}  {detail}\n")
     th = t["throughput"]
-    detail = ", ".join(f"{k} {v:,}/s" for k, v in th["measured"].items() if v) or "not measured"
-    if th["met"] is None and th["measured"].get("channel-host"):
-        detail += " (the target is for a device pool: channel)"
+    detail = ", ".join(f"{k} {v:,}/s" + (f" {_verdict(th['per_mechanism'][k])}" if k in th.get("per_mechanism", {})
+                                         else "")
+                       for k, v in th["measured"].items() if v) or "not measured"
     w(f"  channel throughput >= {THROUGHPUT_PER_S:,}/s (1 MiB, pipelined): {_verdict(th['met'])}  {detail}\n")
     mem = t["memory"]
     detail = "; ".join(f"{k}: overhead {v['pool_overhead_bytes'] / MiB:.1f} MiB (chunk {v['chunk_bytes'] / MiB:.1f} MiB), "

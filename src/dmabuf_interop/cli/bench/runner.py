@@ -37,7 +37,7 @@ from .targets import ratio
 __all__ = ["PHASES", "cell_stats", "run_pair"]
 
 PHASES = ("export", "transport", "import_map", "first_access", "total", "export_transport")
-_REPORTS = ("hello", "rec", "first", "cell", "bw", "overhead", "done", "error")
+_REPORTS = ("hello", "rec", "first", "cell", "idle", "bw", "overhead", "done", "error")
 
 
 def _stat(values: list[float]) -> dict[str, float] | None:
@@ -47,8 +47,9 @@ def _stat(values: list[float]) -> dict[str, float] | None:
 
 
 def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]],
-               info: dict[str, Any]) -> dict[str, Any]:
-    """One cell of the JSON from the producer's and consumer's ``rec`` messages (µs)."""
+               info: dict[str, Any], cpu: dict[str, dict[str, int] | None] | None = None) -> dict[str, Any]:
+    """One cell of the JSON from the producer's and consumer's ``rec`` messages (µs), and from each side's
+    CPU time over the cell (``cpu``: role -> the ``cell`` message's ``cpu``) its CPU µs per hand-off."""
     samples: dict[str, list[float]] = {p: [] for p in PHASES}
     for p, c in zip(prod, cons):
         t0, t_exp, t_send = p["t"]
@@ -81,6 +82,11 @@ def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]]
         cell["first_share_reps"] = sum(1 for c in cons if c.get("first_share"))
     if "import" in info:
         cell["import"] = info["import"]
+    reps = len(samples["export"])
+    if cpu and reps and all(cpu.values()):
+        cell["cpu_us_per_handoff"] = {side: {"loop": round(c["loop_ns"] / reps / 1e3, 2),
+                                             "handoff": round(c["handoff_ns"] / reps / 1e3, 2)}
+                                      for side, c in cpu.items() if c}
     return cell
 
 
@@ -98,11 +104,13 @@ class _Role:
         self.unsupported = False
 
 
-def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def run_pair(name: str, cfg: dict[str, Any], progress: Progress, *, label: str | None = None) -> dict[str, Any]:
     """Run one mechanism (or ``"_bandwidth"``) in a fresh producer/consumer pair.
 
-    ``cfg``: the :mod:`.protocol` ``config`` fields other than ``mechanism``.
-    Returns ``{"status", "reason", "versions", "cells", "bandwidth", "overhead"}``;
+    ``cfg``: the :mod:`.protocol` ``config`` fields other than ``mechanism``. ``label``: the run's name
+    in progress lines (default ``name``).
+    Returns ``{"status", "reason", "versions", "cells", "bandwidth", "overhead"}``, and ``first_handoff_us``
+    and ``idle`` (the consumer's CPU while nothing was sent) where measured;
     a child that fails, breaks the protocol or stays silent past ``cfg["timeout"]``
     gives status ``error`` with the reason, never an exception.
     """
@@ -144,7 +152,7 @@ def run_pair(name: str, cfg: dict[str, Any], progress: Progress) -> dict[str, An
                     st.ended = True
                     st.error = f"{role}: {exc}"
                     continue
-                _dispatch(name, role, msg, roles, out, progress)
+                _dispatch(label or name, role, msg, roles, out, progress)
     finally:
         interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)  # Ctrl-C: end the children now
         for child in children:
@@ -199,12 +207,18 @@ def _dispatch(name: str, role: str, msg: dict[str, Any], roles: dict[str, _Role]
             if len(prod[0]) != len(cons[0]):
                 st.error = f"{role}: {len(prod[0])} producer records against {len(cons[0])} consumer records"
                 return
-            cell = cell_stats(size, prod[0], cons[0], {**prod[1], **cons[1]})
+            cpu = {"producer": prod[1].pop("cpu", None), "consumer": cons[1].pop("cpu", None)}
+            cell = cell_stats(size, prod[0], cons[0], {**prod[1], **cons[1]}, cpu)
             out["cells"].append(cell)
             total = cell["phases_us"]["total"] or cell["phases_us"]["export_transport"]
             what = "total" if cell["phases_us"]["total"] else "export+transport (no import)"
             progress.cell(f"{name} {cell['label']}: {what} median {fmt(total['median'])} us, "
                           f"p90 {fmt(total['p90'])} us ({cell['reps']} reps)")
+    elif kind == "idle":
+        cpu, wall = msg.get("cpu_ns", 0), msg.get("wall_ns", 0)
+        out["idle"] = {"cpu_ms": round(cpu / 1e6, 3), "wall_s": round(wall / 1e9, 3),
+                       "cpu_pct": round(100 * cpu / wall, 2) if wall else None}
+        progress.say(f"{name}: idle consumer {out['idle']['cpu_pct']}% CPU over {out['idle']['wall_s']} s")
     elif kind == "bw":
         bw = msg["result"]
         out["bandwidth"].append(bw)
