@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -39,7 +40,7 @@ def hand_off_messages(draw: Any) -> Any:
     messages of the other kinds, and any of them mutated once or twice (a field dropped, added, retyped,
     pushed past its limit), some then relabelled as a repeat or release."""
     kind = draw(st.sampled_from(["repeat", "repeat", "release", "release", *sorted(VALID)]))
-    msg = draw(VALID[kind])
+    msg = copy.deepcopy(draw(VALID[kind]))  # (a strategy may hand out one object: st.just)
     if kind == "repeat" and draw(st.booleans()):
         msg.update(ordering=draw(st.sampled_from(["none", "sync"])), event=None, meta=None)
     for _ in range(draw(st.integers(0, 2))):
