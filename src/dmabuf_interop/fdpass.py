@@ -151,23 +151,23 @@ def _wait(sock: socket.socket, events: int, deadline: float | None, timed_out: s
     Returns the seconds spent inside ``poll`` (about 0: the socket was ready when asked)."""
     poller = select.poll()
     poller.register(sock, events)
-    began = None
+    began = now = _monotonic()
     while True:
         if deadline is None:
             timeout_ms = -1
         else:
-            remaining = deadline - _monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 # Zero means "do not wait", not "fail": what is ready already is taken (one poll(0)).
                 if poller.poll(0):
-                    return 0.0 if began is None else _monotonic() - began
+                    return now - began
                 raise WaitTimeoutError(timed_out)
             # Compare as floats first: int() of an infinite or huge timeout overflows poll().
             timeout_ms = _MAX_POLL_MS if remaining * 1000 >= _MAX_POLL_MS else max(1, int(remaining * 1000))
-        if began is None:
-            began = _monotonic()
-        if poller.poll(timeout_ms):  # PEP 475: EINTR is retried for us
-            return _monotonic() - began
+        ready = poller.poll(timeout_ms)  # PEP 475: EINTR is retried for us
+        now = _monotonic()
+        if ready:
+            return now - began
         # Empty: a slice of a long wait ended, or rounding woke us early; the deadline decides.
 
 
@@ -532,14 +532,21 @@ class FrameReader:
         Measured and load-bearing: a reader that waits for each message (a consumer ahead of its
         producer) paid ``recvmsg`` -> ``EAGAIN`` (and the exception), ``poll``, ``recvmsg`` per message;
         polled first it pays ``poll`` + ``recvmsg``, one syscall fewer per hand-off. It goes back to
-        trying first once a poll finds data waiting (returns within :data:`_WAITED`: a ``poll`` call that
-        returns at once takes 1-3 us on the 2-core CI machine, a wake-up tens of us): a reader that
-        is behind its producer pays one call per burst again."""
+        trying first when a read finds more than one message (a reader behind its producer: one call
+        per burst again) or its poll found data waiting (returned within :data:`_WAITED`; a ``poll``
+        that returns at once takes 1-3 us on the 2-core CI machine, 10-20 us in a process that slept
+        for milliseconds, a wake-up tens of us: a cold reader may keep polling first, at one cheap
+        call a message)."""
         sock = self.sock
         if self._poll_first or _timeout_mode(sock):
             # (A timeout leaves the mode as it is: the socket was empty.)
-            self._poll_first = _wait_readable(sock, deadline, what) >= _WAITED
-            return _recvmsg(sock, size, fds)
+            waited = _wait_readable(sock, deadline, what)
+            data, flags = _recvmsg(sock, size, fds)
+            if waited < _WAITED:
+                self._poll_first = False
+            elif self._pos == len(self._buf) and len(data) >= _HEADER.size:  # a message begins the read
+                self._poll_first = len(data) <= _HEADER.size + _HEADER.unpack_from(data)[0]
+            return data, flags
         try:
             return _recvmsg(sock, size, fds, _DONTWAIT)
         except BlockingIOError:
