@@ -95,7 +95,7 @@ class Link:
         means none of it went out, and the connection is as it was. ``essential``: a ``release`` or
         ``retire``, which the peer must not miss while the connection lasts (its blocks would stay
         lent, or its mapping kept): one the peer took none of ends the connection too. ``obj``: a JSON
-        object, or a message framed already (:func:`.wire.encode_repeat`).
+        object, or a message framed already (:func:`.wire.encode_repeat`, :func:`.wire.encode_release`).
 
         Raises:
             ClosedError: this end closed the channel (also while the message was going out).

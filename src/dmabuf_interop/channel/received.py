@@ -46,8 +46,6 @@ class Hold:
 
     def __init__(self, channel: Any, lease_id: int, chunks: list[Any], items: int,
                  stream: int = 0, ordering: str | None = None, *, owes: bool = True, adopt: bool = False) -> None:
-        """``adopt``: the caller hands over one reference it holds on each of ``chunks`` (the queue's:
-        no retain here and release there, two lock holds a chunk per message saved); else each is retained."""
         self.alive = False  # until the chunk references are taken: __del__ gives back nothing before
         self.lease_id = lease_id
         self.stream = stream  # the stream given to recv: made to wait on the event; synchronised by release
@@ -60,6 +58,8 @@ class Hold:
         # blocks over tcp://, whose lease was released right after the READ).
         self.channel = channel._weak if owes else _NOBODY
         self.chunks = chunks
+        # ``adopt``: the caller hands over a reference it holds on each chunk (the queue's: no retain here
+        # and release there, two holds of a chunk's lock per message saved); else each is retained.
         if not adopt:
             for chunk in chunks:
                 chunk.retain()

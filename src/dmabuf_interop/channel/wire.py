@@ -5,19 +5,21 @@ JSON, the fds of a ``chunk`` message by ``SCM_RIGHTS`` on the first byte), sent 
 by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves;
 ``tcp://`` control connections (:mod:`.remote`) carry the same frames with no fd.
 Array batches with caller ``meta`` can exceed fdpass's default 64 KiB, so
-bodies here may be up to :data:`MAX_FRAME` bytes.
+bodies here may be up to :data:`MAX_FRAME` bytes. The two messages of every hand-off, ``repeat`` and
+``release``, are framed from templates (:func:`encode_repeat`, :func:`encode_release`): the encoder's
+bytes exactly, for less.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Any
-
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
+from typing import Any
 
 from .._time import deadline_after
 from ..errors import DmaBufError, InvalidArgumentError
-from ..fdpass import _HEADER, FrameReader, _family, _send_all, decode_message, encode_message, recv_message, send_message
+from ..fdpass import (_HEADER, FrameReader, _family, _send_all, decode_message, encode_message, recv_message,
+                      send_message)
 from .protocol import MAX_PARTS
 
 __all__ = ["MAX_FRAME", "send_frame", "recv_frame", "frame_reader", "shut_down", "encode_repeat", "encode_release",
@@ -32,14 +34,14 @@ REST_TIMEOUT = 60.0
 def send_frame(sock: socket.socket, obj: dict[str, Any] | bytes, timeout: float | None = 60.0,
                rest_timeout: float | None = None) -> None:
     """Send one message with no fd (``rest_timeout``: as for :func:`..fdpass.send_message`): a JSON object,
-    or a message framed already (bytes: :func:`encode_repeat`).
+    or a message framed already (bytes: :func:`encode_repeat`, :func:`encode_release`).
 
     Raises:
         InvalidArgumentError: not JSON-serialisable or over :data:`MAX_FRAME`; a closed socket.
         PeerClosedError: the peer has gone (``EPIPE`` / ``ECONNRESET``).
         WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
     """
-    if type(obj) is bytes:  # framed by encode_repeat: straight to the socket, no second framing
+    if type(obj) is bytes:  # framed already: straight to the socket
         if _family(sock) == socket.AF_UNIX:
             if sock.fileno() == -1:
                 raise InvalidArgumentError("the socket is closed")
