@@ -528,6 +528,27 @@ def test_a_ring_of_blocks_sent_one_at_a_time_repeats_their_layouts(addr: str, po
         x.close()
 
 
+def test_views_at_one_address_are_each_sent_as_themselves(addr: str, pool: SharedPool) -> None:
+    """Arrays sent one at a time are remembered by (address, shape, strides, dtype): views of one block at
+    its start, of another dtype, shape or stride, are each their own placement, and each arrives as it was
+    sent, again and again (a repeat only of the very same view)."""
+    listener, prod, cons = pair(addr, pool)
+    base = pool.empty(16, "uint8")
+    base[:] = np.arange(16, dtype=np.uint8)
+    views = [base, base.view(np.int32), base[:8], base[::2], base.reshape(4, 4), base.view(np.int32)[:2]]
+    for _ in range(3):
+        for v in views:
+            lease = prod.send(v)
+            with cons.recv(5) as got:
+                arr = got.as_array()
+                assert (arr.dtype, arr.shape, arr.strides) == (v.dtype, v.shape, v.strides)
+                assert (arr == v).all()
+            lease.wait(5)
+    assert len(prod.protocol_state.layouts_sent(single=True)) == len(views)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_state_dict_sent_again_is_lent_again_until_one_of_its_arrays_changes(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     state = {"w": pool.empty((4, 3), "int32"), "b": pool.empty(5, "float64"), "w2": None}

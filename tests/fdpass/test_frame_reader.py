@@ -230,3 +230,28 @@ def test_a_reader_dropped_with_buffered_fds_closes_them(pair):
     assert r.pending_fds() == 1
     del r
     gc.collect()  # the fixture checks the fd went
+
+
+def test_a_reader_that_waits_polls_first_and_one_that_finds_data_tries_first(pair):
+    """A read that found the socket empty makes the next poll before its recvmsg (no EAGAIN per message
+    for a consumer ahead of its producer); a read that finds more than one message waiting goes back to
+    trying first. Every message arrives whole, in order, either way; a timed-out wait leaves the mode."""
+    a, b = pair
+    reader = _reader(b)
+    assert not reader._poll_first
+    for i in range(3):
+        threading.Timer(0.05, send_message, (a, {"i": i})).start()
+        assert reader.read(5.0) == ({"i": i}, [])
+        assert reader._poll_first  # it waited for the message
+    with pytest.raises(errors.WaitTimeoutError):
+        reader.read(0.01)
+    assert reader._poll_first
+    send_message(a, {"i": 3})
+    send_message(a, {"i": 4})
+    time.sleep(0.01)
+    assert reader.read(5.0) == ({"i": 3}, [])  # both came in one recvmsg: behind the producer
+    assert not reader._poll_first
+    assert reader.read(5.0) == ({"i": 4}, [])  # from the buffer
+    send_message(a, {"i": 5})
+    assert reader.read(5.0) == ({"i": 5}, [])  # tried first: one recvmsg, the mode kept
+    assert not reader._poll_first

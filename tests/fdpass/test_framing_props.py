@@ -137,3 +137,59 @@ def test_encode_rejects_oversize_body():
     # and the largest allowed body still fits
     fits = {"x": "y" * (MAX_MESSAGE - len('{"x":""}'))}
     assert decode_message(encode_message(fits)) == fits
+
+
+# --- the fast paths against the stdlib's general ones ---------------------------------------------
+
+def _stdlib_decode(body: bytes) -> tuple[str, object]:
+    """What decode_message did before its scanner fast path: json.loads of the UTF-8 text."""
+    try:
+        obj = json.loads(body.decode())
+    except (ValueError, RecursionError) as exc:
+        return "error", type(exc).__name__
+    return ("object", obj) if isinstance(obj, dict) else ("error", "not an object")
+
+
+def _decoded(body: bytes) -> tuple[str, object]:
+    try:
+        return "object", decode_message(HEADER.pack(len(body)) + body)
+    except ProtocolError as exc:
+        return "error", exc
+
+
+json_bodies = (
+    json_objects.map(lambda o: json.dumps(o, separators=(",", ":")).encode())
+    | json_objects.map(lambda o: json.dumps(o, indent=1).encode())  # whitespace inside and around
+    | st.builds(lambda o, pre, post: (pre + json.dumps(o) + post).encode(), json_objects,
+                st.sampled_from(["", " ", "\n", "\ufeff"]), st.sampled_from(["", " ", "\t\n", "x", "}", "{}"]))
+    | st.binary(max_size=64).map(lambda b: b"{" + b)
+    | st.text(max_size=40).map(lambda t: ("{" + t).encode())
+)
+
+
+@SETTINGS
+@given(json_bodies, st.data())
+def test_decode_fast_path_agrees_with_json_loads(body, data):
+    """The scanner's fast path accepts exactly what json.loads accepts, with the same object; a mutated
+    body (a byte changed, or cut) too."""
+    cut = data.draw(st.integers(0, len(body)), label="cut")
+    for b in (body, body[:cut]):
+        want, got = _stdlib_decode(b), _decoded(b)
+        assert want[0] == got[0], (b, want, got)
+        if want[0] == "object":
+            assert got[1] == want[1]
+
+
+@SETTINGS
+@given(json_objects)
+def test_encode_matches_json_dumps(obj):
+    """The reused C encoder writes what json.dumps with the same options writes, byte for byte."""
+    body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    assert encode_message(obj, 1 << 24) == HEADER.pack(len(body)) + body
+
+
+def test_encode_refuses_a_circular_object():
+    obj: dict = {"a": []}
+    obj["a"].append(obj)
+    with pytest.raises(InvalidArgumentError, match="not JSON-serialisable"):
+        encode_message(obj)

@@ -17,6 +17,8 @@ import threading
 from typing import Any, Iterator
 
 from dmabuf_interop import fdpass
+from dmabuf_interop.channel import _releases as releases_module
+from dmabuf_interop.channel import channel as channel_module
 from dmabuf_interop.channel import wire
 
 
@@ -39,9 +41,21 @@ def captured() -> Iterator[list[dict[str, Any]]]:
             seen.append(copy.deepcopy(obj))
         return obj
 
-    # The places the framing looks the functions up: fdpass itself, and wire's TCP path.
+    def template_spy(encode: Any) -> Any:
+        def spy(*args: Any, **kwargs: Any) -> bytes:
+            data = encode(*args, **kwargs)
+            with lock:
+                seen.append(json.loads(data[4:]))
+            return data
+        return spy
+
+    # The places the framing looks the functions up: fdpass itself, wire's TCP path, and the modules that
+    # frame their messages from wire's templates (whose fallback is wire's encoder: such a message may be
+    # seen twice).
     targets = [(fdpass, "encode_message", encode_spy), (wire, "encode_message", encode_spy),
-               (fdpass, "decode_message", decode_spy)]
+               (fdpass, "decode_message", decode_spy),
+               (channel_module, "encode_repeat", template_spy(wire.encode_repeat)),
+               (releases_module, "encode_release", template_spy(wire.encode_release))]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
     for mod, name, fn in targets:
         setattr(mod, name, fn)

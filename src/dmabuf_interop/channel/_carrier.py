@@ -149,9 +149,8 @@ class FdCarrier:
         the message waited in the queue (so a ``retire``, or the end of the connection, that came after it
         leaves them mapped); the hold takes them over. With ordering ``event``, ``stream`` is made to wait
         on the producer's event (``cuIpcOpenEventHandle`` once per handle, ``cuStreamWaitEvent``)."""
-        hold = Hold(channel, lease_id, list(chunks.values()), len(descs), stream, ordering)
-        for chunk in chunks.values():
-            chunk.release()  # the queue's reference: the hold has its own now
+        # The hold takes over the queue's references on the chunks.
+        hold = Hold(channel, lease_id, list(chunks.values()), len(descs), stream, ordering, adopt=True)
         with bulk(len(descs)):
             out = [Received(hold, d, chunks[d.chunk]) for d in descs]
         for r in out:

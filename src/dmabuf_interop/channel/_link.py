@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from ..errors import ClosedError, DmaBufError, PeerClosedError, WaitTimeoutError
 from ..fdpass import _broken_send, send_message
 from ._state import ConnectionState
-from .wire import send_frame, shut_down
+from .wire import frame_kind, send_frame, shut_down
 
 __all__ = ["Link", "SEND_TIMEOUT"]
 
@@ -74,7 +74,7 @@ class Link:
             return self.send_timeout
         return max(0.0, min(deadline - _monotonic(), self.send_timeout))
 
-    def send(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None, *, essential: bool = False,
+    def send(self, obj: dict[str, Any] | bytes, fd: int | Sequence[int] | None = None, *, essential: bool = False,
              timeout: float | None = None) -> None:
         """:meth:`send_locked` under the lock; ``timeout`` bounds the wait for the lock as well.
 
@@ -87,14 +87,15 @@ class Link:
         finally:
             self.release()
 
-    def send_locked(self, obj: dict[str, Any], fd: int | Sequence[int] | None = None,
+    def send_locked(self, obj: dict[str, Any] | bytes, fd: int | Sequence[int] | None = None,
                     timeout: float | None = None, *, essential: bool = False, whole: bool = False) -> None:
         """Send one message (the caller holds the send lock), waiting at most ``timeout`` seconds
         (default :attr:`send_timeout`) for it to begin to leave; once begun, the rest has
         :attr:`send_timeout` (``whole``: ``timeout`` bounds the whole message). So a ``WaitTimeoutError``
         means none of it went out, and the connection is as it was. ``essential``: a ``release`` or
         ``retire``, which the peer must not miss while the connection lasts (its blocks would stay
-        lent, or its mapping kept): one the peer took none of ends the connection too.
+        lent, or its mapping kept): one the peer took none of ends the connection too. ``obj``: a JSON
+        object, or a message framed already (:func:`.wire.encode_repeat`, :func:`.wire.encode_release`).
 
         Raises:
             ClosedError: this end closed the channel (also while the message was going out).
@@ -128,7 +129,7 @@ class Link:
             if self.proto.closed_here:
                 raise ClosedError("this end closed the channel while the message was going out") from exc
             what = "was cut off" if cut else "could not go"
-            raise PeerClosedError(f"the {obj.get('kind')!r} message to the peer {what} ({exc}): the connection is "
+            raise PeerClosedError(f"the {frame_kind(obj)!r} message to the peer {what} ({exc}): the connection is "
                                   f"ended") from exc
 
     def ended(self) -> DmaBufError:

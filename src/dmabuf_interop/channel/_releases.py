@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ..errors import DmaBufError
+from .wire import encode_release
 
 __all__ = ["ReleaseQueue", "RELEASE_DELAY", "RELEASE_GAP", "RELEASE_BATCH"]
 
@@ -77,7 +78,7 @@ class ReleaseQueue:
             if ids:
                 self._last_flush = time.monotonic()
         if ids:
-            msg = {"kind": "release", "leases": ids}
+            msg = encode_release(ids)
             try:
                 if send_lock_held:
                     self._link.send_locked(msg, timeout=timeout, essential=True)

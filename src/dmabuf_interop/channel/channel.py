@@ -120,7 +120,7 @@ from .pool import Block, SharedPool
 from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS
 from .received import Received, as_tensors, release_all
 from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, stream_handle, wire_descs
-from .wire import frame_reader, shut_down
+from .wire import encode_repeat, frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
            "MAX_QUEUED", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
@@ -397,8 +397,8 @@ class Channel(Reading):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
                 if self._memos.is_current(memo):
-                    link.send_locked({"kind": "repeat", "lease": lease_id, "layout": memo.layout, "ordering": order,
-                                      "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
+                    link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
+                                     timeout=link.wait_for(deadline))
                     return
             finally:
                 link.release()
@@ -413,8 +413,7 @@ class Channel(Reading):
             if not choice.define:
                 if memo is not None:
                     self._memos.remember(memo, choice.id)
-                link.send_locked({"kind": "repeat", "lease": lease_id, "layout": choice.id, "ordering": order,
-                                  "event": ev64, "meta": meta}, timeout=link.wait_for(deadline))
+                link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
             try:

@@ -86,7 +86,8 @@ class Lease:
         try:
             blocks = self._blocks
             pool = blocks[0].pool if blocks else None
-            if blocks and all(b.pool is pool for b in blocks):
+            # (one block, a send()'s: no generator to check that they share a pool)
+            if blocks and (len(blocks) == 1 or all(b.pool is pool for b in blocks)):
                 pool._unref_many(blocks)  # one hold of the pool's lock for a whole state dict
             else:
                 for b in blocks:

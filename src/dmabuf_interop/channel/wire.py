@@ -5,20 +5,25 @@ JSON, the fds of a ``chunk`` message by ``SCM_RIGHTS`` on the first byte), sent 
 by :func:`..fdpass.send_message` / :func:`..fdpass.recv_message` themselves;
 ``tcp://`` control connections (:mod:`.remote`) carry the same frames with no fd.
 Array batches with caller ``meta`` can exceed fdpass's default 64 KiB, so
-bodies here may be up to :data:`MAX_FRAME` bytes.
+bodies here may be up to :data:`MAX_FRAME` bytes. The two messages of every hand-off, ``repeat`` and
+``release``, are framed from templates (:func:`encode_repeat`, :func:`encode_release`): the encoder's
+bytes exactly, for less.
 """
 
 from __future__ import annotations
 
 import socket
+from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
 from typing import Any
 
 from .._time import deadline_after
-from ..errors import InvalidArgumentError
-from ..fdpass import FrameReader, _family, _send_all, encode_message, recv_message, send_message
+from ..errors import DmaBufError, InvalidArgumentError
+from ..fdpass import (_HEADER, FrameReader, _family, _send_all, decode_message, encode_message, recv_message,
+                      send_message)
 from .protocol import MAX_PARTS
 
-__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "frame_reader", "shut_down"]
+__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "frame_reader", "shut_down", "encode_repeat", "encode_release",
+           "frame_kind"]
 
 #: Largest JSON body of one channel message, in bytes.
 MAX_FRAME = 16 * 1024 * 1024
@@ -26,19 +31,78 @@ MAX_FRAME = 16 * 1024 * 1024
 REST_TIMEOUT = 60.0
 
 
-def send_frame(sock: socket.socket, obj: dict[str, Any], timeout: float | None = 60.0,
+def send_frame(sock: socket.socket, obj: dict[str, Any] | bytes, timeout: float | None = 60.0,
                rest_timeout: float | None = None) -> None:
-    """Send one message with no fd (``rest_timeout``: as for :func:`..fdpass.send_message`).
+    """Send one message with no fd (``rest_timeout``: as for :func:`..fdpass.send_message`): a JSON object,
+    or a message framed already (bytes: :func:`encode_repeat`, :func:`encode_release`).
 
     Raises:
-        InvalidArgumentError: not JSON-serialisable or over :data:`MAX_FRAME`.
+        InvalidArgumentError: not JSON-serialisable or over :data:`MAX_FRAME`; a closed socket.
         PeerClosedError: the peer has gone (``EPIPE`` / ``ECONNRESET``).
         WaitTimeoutError: the peer stopped reading for ``timeout`` seconds.
     """
-    if _family(sock) == socket.AF_UNIX:
+    if type(obj) is bytes:  # framed already: straight to the socket
+        if _family(sock) == socket.AF_UNIX:
+            if sock.fileno() == -1:
+                raise InvalidArgumentError("the socket is closed")
+        else:
+            _tcp(sock)
+        _send_all(sock, obj, None, deadline_after(timeout), rest_timeout)
+    elif _family(sock) == socket.AF_UNIX:
         send_message(sock, obj, timeout=timeout, max_bytes=MAX_FRAME, rest_timeout=rest_timeout)
     else:  # fdpass's public calls refuse sockets that cannot carry an fd; this frame carries none
         _send_all(_tcp(sock), encode_message(obj, MAX_FRAME), None, deadline_after(timeout), rest_timeout)
+
+
+# Speed trick, measured: the repeat (one per hand-off of an array sent again) framed from a template,
+# 0.5 us instead of 2.4 us through the JSON encoder (2-core CI machine, Python 3.11): the same bytes,
+# field for field in the order of the dict it stands for (tests/channel/test_fastpath.py).
+_REPEAT = b'{"kind":"repeat","lease":%d,"layout":%d,"ordering":%s,"event":%s,"meta":null}'
+_ORDERINGS = {"none": b'"none"', "sync": b'"sync"', "event": b'"event"'}
+
+
+def encode_repeat(lease: int, layout: int, ordering: str, event: str | None, meta: dict[str, Any] | None) -> bytes:
+    """The framed ``repeat`` message (as :func:`..fdpass.encode_message` frames the dict
+    ``{"kind": "repeat", "lease": ..., "layout": ..., "ordering": ..., "event": ..., "meta": ...}``, byte
+    for byte): from a template when ``meta`` is ``None`` and the fields are what a sender makes (ints,
+    a known ordering, an event string or ``None``), else through the encoder.
+
+    Raises:
+        InvalidArgumentError: ``meta`` not JSON-serialisable, or the message over :data:`MAX_FRAME`.
+    """
+    order = _ORDERINGS.get(ordering) if type(ordering) is str else None
+    if meta is None and order is not None and type(lease) is int and type(layout) is int and (
+            event is None or type(event) is str):
+        body = _REPEAT % (lease, layout, order, b"null" if event is None else _json_str(event).encode())
+        if len(body) <= MAX_FRAME:
+            return _HEADER.pack(len(body)) + body
+    return encode_message({"kind": "repeat", "lease": lease, "layout": layout, "ordering": ordering,
+                           "event": event, "meta": meta}, MAX_FRAME)
+
+
+def encode_release(leases: list[int]) -> bytes:
+    """The framed ``release`` message of ``leases`` (lease ids, ints), as :func:`..fdpass.encode_message`
+    frames ``{"kind": "release", "leases": leases}``, byte for byte (a template: 0.5 us instead of 1.7 us
+    for one lease, measured as :func:`encode_repeat`; anything but a list of ints goes through the encoder).
+
+    Raises:
+        InvalidArgumentError: not JSON-serialisable, or the message over :data:`MAX_FRAME`.
+    """
+    if type(leases) is list and all(type(x) is int for x in leases):
+        body = b'{"kind":"release","leases":[%s]}' % ",".join(map(str, leases)).encode()
+        if len(body) <= MAX_FRAME:
+            return _HEADER.pack(len(body)) + body
+    return encode_message({"kind": "release", "leases": leases}, MAX_FRAME)
+
+
+def frame_kind(obj: dict[str, Any] | bytes) -> Any:
+    """The ``kind`` of a message given to :func:`send_frame` (for an error that names it)."""
+    if type(obj) is bytes:
+        try:
+            return decode_message(obj, MAX_FRAME).get("kind")
+        except DmaBufError:
+            return None
+    return obj.get("kind")
 
 
 def recv_frame(sock: socket.socket, timeout: float | None, *, whole: bool = False,
