@@ -4,6 +4,11 @@ with others of its burst by a flusher thread (see Note [channel threads and fork
 Measured and load-bearing: a release that goes out inline when none went out within :data:`RELEASE_GAP`
 reaches the exporter before its next send, not during it; a busy consumer's releases gather
 (:data:`RELEASE_BATCH` at a time, or within :data:`RELEASE_DELAY`) into one ``release`` message.
+
+Where the connection has the shared-memory ring (:mod:`._ring`), a release goes into the release ring at once,
+in the releasing thread: no syscall, unless the exporter's reader sleeps (then one ``eventfd`` write wakes it
+right after the release, before the exporter's next send rather than inside it); only what does not fit in the
+ring goes as a ``release`` message, by the rules above.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ class ReleaseQueue:
         link: the channel's :class:`._link.Link` (its writer, whose lock is the send lock).
         cond: the channel's state lock, under which ``pending`` changes.
         proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
+        rings: the channel's :class:`._ring.Rings` (``None``: no ring), used once the peer's is attached.
     """
 
-    def __init__(self, link: Any, cond: threading.Condition, proto: Any) -> None:
+    def __init__(self, link: Any, cond: threading.Condition, proto: Any, rings: Any = None) -> None:
         self._link = link
+        self._rings = rings
         self._cond = cond
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
@@ -52,6 +59,9 @@ class ReleaseQueue:
         with self._cond:
             if self._proto.over:
                 return
+            rings = self._rings
+            if rings is not None and not self.pending and rings.attached and not rings.push_releases([lease_id]):
+                return  # in the release ring (under the state lock: one writer at a time)
             self.pending.append(lease_id)
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))

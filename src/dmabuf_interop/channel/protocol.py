@@ -30,6 +30,7 @@ __all__ = [
     "MAX_LAYOUTS",
     "MAX_SINGLE_LAYOUTS",
     "MAX_PARTS",
+    "MAX_RING_SLOTS",
     "DTYPES",
     "ORDERINGS",
     "ArrayDescriptor",
@@ -44,9 +45,10 @@ __all__ = [
 #: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
 #: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``; 4: an ``array``
 #: may define a layout too, and its ``repeat`` arrives as one array; 5: the float8 kinds, ``complex32``
-#: and ``float4_e2m1fn_x2`` are dtypes, and a descriptor may name 64 dimensions). A peer of another
-#: version is refused at the handshake, so neither end ever meets a dtype name it does not know.
-PROTOCOL_VERSION = 5
+#: and ``float4_e2m1fn_x2`` are dtypes, and a descriptor may name 64 dimensions; 6: ``hello`` offers a
+#: shared-memory ``ring``, and a ``ring`` message sets it up). A peer of another version is refused at the
+#: handshake, so neither end ever meets a dtype name it does not know.
+PROTOCOL_VERSION = 6
 
 # The limits. Both ends read them from here: the receiver refuses a message past one (ProtocolError,
 # the connection ends), so the sender checks the same limit first and refuses the call
@@ -315,9 +317,17 @@ def _check_meta(meta: Any) -> None:
 
 # --- messages ---------------------------------------------------------------------
 
+_HELLO = frozenset({"kind", "protocol", "library", "boot_id", "gpus", "pid", "ring"})
+_RING = frozenset({"kind", "version", "bytes", "slots", "release_slots"})
+#: Most slots of a ``ring`` message's message ring, and of its release ring.
+MAX_RING_SLOTS = 1 << 20
+
+
 def _check_hello(msg: dict[str, Any]) -> None:
-    _keys(msg, {"kind", "protocol", "library", "boot_id", "gpus", "pid"}, "hello message")
+    _keys(msg, _HELLO, "hello message")
     _int(msg, "protocol", 0, 1 << 31)
+    if msg["ring"] is not None:
+        _int(msg, "ring", 1, 1 << 31)
     _str(msg, "library", 64)
     _str(msg, "boot_id", 64)
     _int(msg, "pid", 0, 1 << 31)
@@ -338,6 +348,16 @@ def _check_chunk(msg: dict[str, Any]) -> None:
         raise ProtocolError(f"chunk: parts {list(parts)[:8]} must be positive sizes adding up to size {size}")
     if len(parts) > 1 and msg["mechanism"] != "posix-fd":
         raise ProtocolError(f"chunk: a {msg['mechanism']} chunk has one part")
+
+
+def _check_ring(msg: dict[str, Any]) -> None:
+    _keys(msg, _RING, "ring message")
+    _int(msg, "version", 1, 1)
+    _int(msg, "bytes", 1)
+    for key in ("slots", "release_slots"):
+        n = _int(msg, key, 1, MAX_RING_SLOTS)
+        if n & (n - 1):
+            raise ProtocolError(f"ring: {key!r} = {n} is not a power of two")
 
 
 def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:
@@ -391,8 +411,8 @@ def _check_arrays(msg: dict[str, Any]) -> list[ArrayDescriptor]:
 def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     """Validate one decoded message; returns its kind and, for array messages, the descriptors.
 
-    Kinds: ``hello``, ``refuse``, ``chunk``, ``retire``, ``array``, ``arrays``, ``repeat``, ``release``,
-    ``bye``. A ``repeat`` names a layout that only the channel knows: it returns no descriptors.
+    Kinds: ``hello``, ``refuse``, ``ring``, ``chunk``, ``retire``, ``array``, ``arrays``, ``repeat``,
+    ``release``, ``bye``. A ``repeat`` names a layout that only the channel knows: it returns no descriptors.
 
     Raises:
         ProtocolError: an unknown kind or any malformed field.
@@ -425,6 +445,8 @@ def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
         _check_ids(msg, "leases", "release")
     elif kind == "bye":
         _keys(msg, {"kind"}, "bye message")
+    elif kind == "ring":
+        _check_ring(msg)
     else:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return kind, []
