@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProtocolError
+from ._ring import check_offer
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -30,7 +31,6 @@ __all__ = [
     "MAX_LAYOUTS",
     "MAX_SINGLE_LAYOUTS",
     "MAX_PARTS",
-    "MAX_RING_SLOTS",
     "DTYPES",
     "ORDERINGS",
     "ArrayDescriptor",
@@ -318,9 +318,6 @@ def _check_meta(meta: Any) -> None:
 # --- messages ---------------------------------------------------------------------
 
 _HELLO = frozenset({"kind", "protocol", "library", "boot_id", "gpus", "pid", "ring"})
-_RING = frozenset({"kind", "version", "bytes", "slots", "release_slots"})
-#: Most slots of a ``ring`` message's message ring, and of its release ring.
-MAX_RING_SLOTS = 1 << 20
 
 
 def _check_hello(msg: dict[str, Any]) -> None:
@@ -348,16 +345,6 @@ def _check_chunk(msg: dict[str, Any]) -> None:
         raise ProtocolError(f"chunk: parts {list(parts)[:8]} must be positive sizes adding up to size {size}")
     if len(parts) > 1 and msg["mechanism"] != "posix-fd":
         raise ProtocolError(f"chunk: a {msg['mechanism']} chunk has one part")
-
-
-def _check_ring(msg: dict[str, Any]) -> None:
-    _keys(msg, _RING, "ring message")
-    _int(msg, "version", 1, 1)
-    _int(msg, "bytes", 1)
-    for key in ("slots", "release_slots"):
-        n = _int(msg, key, 1, MAX_RING_SLOTS)
-        if n & (n - 1):
-            raise ProtocolError(f"ring: {key!r} = {n} is not a power of two")
 
 
 def _check_ids(msg: dict[str, Any], key: str, what: str) -> None:
@@ -446,7 +433,7 @@ def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     elif kind == "bye":
         _keys(msg, {"kind"}, "bye message")
     elif kind == "ring":
-        _check_ring(msg)
+        check_offer(msg)  # (the ring's own rules: version, power-of-two lengths, the region's size)
     else:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return kind, []
