@@ -504,7 +504,10 @@ class Reading:
         """Handle one message read (its fds are closed after), ending the connection if it must. ``checked``:
         a ring slot's ``repeat``, whose fields :meth:`._ring.Rings.take` validated."""
         try:
-            self._handle(msg, fds, checked)
+            if checked:
+                self._handle(msg, fds, True)
+            else:
+                self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
