@@ -43,6 +43,9 @@ from .wire import MAX_FRAME, send_frame, shut_down
 __all__ = ["listen", "connect", "Listener"]
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: Message slots and release slots of each channel's ring (read when a ring is made, so a test may make them small).
+RING_SLOTS = 256
+RING_RELEASE_SLOTS = 1024
 
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
@@ -103,7 +106,7 @@ def _new_rings(wanted: bool) -> Rings | None:
         log.debug("no shared-memory ring offered: %s", why)
         return None
     try:
-        return Rings()
+        return Rings(RING_SLOTS, RING_RELEASE_SLOTS)
     except (DmaBufError, OSError) as exc:  # out of fds or memory: the socket alone still works
         log.debug("no shared-memory ring offered: %s", exc)
         return None
