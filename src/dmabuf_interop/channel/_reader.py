@@ -558,7 +558,8 @@ class Reading:
                 for lease in ev.tokens:
                     lease._complete("released")
             elif t is RingOffered:
-                self._conn.rings.attach(ev.msg, fds)  # (ProtocolError: a bad region or fd; keeps its own dups)
+                with self._state:  # (releases are pushed under it; the ring's other users wait for attached)
+                    self._conn.rings.attach(ev.msg, fds)  # (ProtocolError: a bad region or fd; keeps its own dups)
             elif t is PeerClosed:
                 raise PeerClosedError("the peer closed the channel")
             elif t is PeerRefused:

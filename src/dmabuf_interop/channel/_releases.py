@@ -17,7 +17,9 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DmaBufError
+from ..errors import DmaBufError, ProtocolError
+from ._ring import LEASE_LIMIT
+from .wire import shut_down
 
 __all__ = ["ReleaseQueue", "RELEASE_DELAY", "RELEASE_GAP", "RELEASE_BATCH"]
 
@@ -60,8 +62,16 @@ class ReleaseQueue:
             if self._proto.over:
                 return
             rings = self._rings
-            if rings is not None and not self.pending and rings.attached and not rings.push_releases([lease_id]):
-                return  # in the release ring (under the state lock: one writer at a time)
+            if rings is not None and not self.pending and rings.attached and lease_id < LEASE_LIMIT:
+                try:
+                    if not rings.push_releases([lease_id]):
+                        return  # in the release ring (under the state lock: one writer at a time)
+                except ProtocolError as exc:  # the peer's rel_head is out of step: end the connection
+                    self._proto.fail(exc)
+                    shut_down(self._link.sock)  # (the reader sees it and ends the connection; no send here)
+                    return
+                except (DmaBufError, OSError):
+                    pass  # (eventfd_write failed): by the socket, as below
             self.pending.append(lease_id)
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))

@@ -114,7 +114,7 @@ from ._carrier import FdCarrier, mechanism_for
 from ._link import SEND_TIMEOUT, Link
 from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop, _ring_releases
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
-from ._ring import RingSlot
+from ._ring import LEASE_LIMIT, RingSlot
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
 from .arrays import device_index
@@ -147,6 +147,7 @@ def check_spin(value: Any) -> float:
     return float(value)
 
 _NAME = operator.attrgetter("name")
+_MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
 _get_ident = threading.get_ident
 
 
@@ -503,6 +504,8 @@ class Channel(Reading):
         link = self._link
         if not self._proto.can_send or link.sock in _broken_send:
             raise link.ended()
+        if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
+            return False  # (past what a slot holds: by the socket)
         return self._rings.try_push(RingSlot(link.sent, lease_id, layout, order, event))
 
     def _take_ring_releases(self) -> None:
