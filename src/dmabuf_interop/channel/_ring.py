@@ -54,7 +54,8 @@ try:
     from .. import _atomic
 except ImportError as _exc:  # not built: no compiler where the package was installed
     _atomic = None  # type: ignore[assignment]
-    _MISSING = f"the atomics extension dmabuf_interop._atomic is not built ({_exc})"
+    _MISSING = (f"the C extension dmabuf_interop._atomic (the ring's atomics) is not built: it needs a C compiler "
+                f"when the package is installed (`pip install -e .` builds it into a source tree) ({_exc})")
 else:
     _MISSING = ""
     # Module globals: one dict lookup a call, not two (load-bearing on the hot paths below).
@@ -481,11 +482,11 @@ class Rings:
                 ordering or event byte is out of range (Note [the peer's region]).
             ForkedResourceError: inherited through ``fork()``.
         """
+        if self._owner != _forks.pid:
+            raise self._forked()
         slot = self._next
         if slot is not None:
             return slot.sock_seq
-        if self._owner != _forks.pid:
-            raise self._forked()
         peer = self._peer
         if peer is None:
             return None
@@ -523,14 +524,14 @@ class Rings:
             InvalidArgumentError: no slot is published (call :meth:`peek_sock_seq` first).
             ProtocolError, ForkedResourceError: as :meth:`peek_sock_seq`.
         """
+        if self._owner != _forks.pid:
+            raise self._forked()
         slot = self._next
         if slot is None:
             if self.peek_sock_seq() is None:
                 raise InvalidArgumentError("ring: take() with no slot published")
             slot = self._next
             assert slot is not None
-        elif self._owner != _forks.pid:
-            raise self._forked()
         self._next = None
         self._last_sock_seq = slot.sock_seq
         self._in_head = head = self._in_head + 1
