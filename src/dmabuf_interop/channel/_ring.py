@@ -22,17 +22,21 @@ Note [ring and fork]. Both mappings are made with ``MADV_DONTFORK``: a forked ch
 of the fds and forgets the mappings without ``munmap`` (the child may have mapped something else at those
 addresses since; :class:`dmabuf_interop._atomic.Mapping` checks the pid).
 
-Threads. A :class:`Rings` takes no lock. Its caller serialises each of four pairs of calls: ``try_push``;
-``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end``; ``push_releases``; ``take_releases`` (each pair
-touches its own counters, so the four may run in four threads). ``attach`` and ``close`` run alone.
+Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
+``try_push``; ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
+``take_releases``. Each group writes its own counters, so the four may run in four threads (``sleep_begin``
+reads ``take_releases``'s head: a stale value only makes it decline to sleep). ``attach`` and ``close`` run
+alone.
 
-Speed (load-bearing, measured with CPython 3.11 on the 2-core CPU machine, ``x86-64``, defaults 256/1024,
-``timeit`` medians): ``try_push`` 1.5 us (peer awake; + one ``eventfd_write`` when it sleeps), ``peek_sock_seq``
-0.15 us with nothing published, ``peek_sock_seq`` + ``take`` 1.9 us a slot, ``push_releases`` of one id
-0.9 us, ``take_releases`` 0.25 us with none and 1.1 us for one, ``sleep_begin`` + ``sleep_end`` 1.6 us. The
-tricks: the peer's heads are cached and loaded again only when the cache says full; a peeked slot is kept
-for ``take``; the atomics are ``METH_FASTCALL`` C functions called through module globals; this end's
-counters are Python ints, never read back.
+Speed (load-bearing). Measured with CPython 3.11.7 on the 2-core x86-64 CPU machine (load average near 4),
+two ``Rings`` of the default lengths attached in one process, a loop of 200 calls timed, median of 300 loops,
+two runs: ``try_push`` 0.5-0.8 us (and one ``eventfd_write`` more when the peer sleeps); ``peek_sock_seq``
+0.1-0.2 us with nothing published; ``peek_sock_seq`` + ``take`` 1.7-2.5 us a slot (0.6 us of it builds the
+frozen ``RingSlot``); ``push_releases`` of one id 0.8-1.3 us; ``take_releases`` 0.1-0.2 us with none, about
+1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.5-2.2 us (an ``eventfd_read``). The tricks: the peer's heads
+are cached and loaded again only when the cache says full; a peeked slot is kept for ``take``; a slot is packed
+and unpacked by one precompiled ``struct.Struct`` call; the atomics are ``METH_FASTCALL`` C functions bound to
+module globals; this end's counters are Python ints, never read back from the region.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ try:
     from .. import _atomic
 except ImportError as _exc:  # not built: no compiler where the package was installed
     _atomic = None  # type: ignore[assignment]
-    _MISSING = f"the atomics extension dmabuf_interop._atomic is not built ({_exc})"
+    _MISSING = (f"the C extension dmabuf_interop._atomic (the ring's atomics) is not built: it needs a C compiler "
+                f"when the package is installed (`pip install -e .` builds it into a source tree) ({_exc})")
 else:
     _MISSING = ""
     # Module globals: one dict lookup a call, not two (load-bearing on the hot paths below).
@@ -195,10 +200,6 @@ def _check_size(value: Any, limit: int, what: str, error: type[Exception]) -> in
     return value
 
 
-def _syscall(call: str, exc: OSError) -> SyscallError:
-    return SyscallError(call, exc)
-
-
 def _map(fd: int, size: int, writable: bool) -> Any:
     try:
         return _atomic.Mapping(fd, size, writable)
@@ -294,7 +295,7 @@ class Rings:
             try:
                 self.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             except OSError as exc:
-                raise _syscall("eventfd", exc) from exc
+                raise SyscallError("eventfd", exc) from exc
             held.fds.append(self.wake_fd)
         except BaseException:
             held.close()
@@ -329,20 +330,20 @@ class Rings:
         try:
             fd = os.memfd_create("dmabuf-interop-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise _syscall("memfd_create", exc) from exc
+            raise SyscallError("memfd_create", exc) from exc
         held.fds.append(fd)
         self._memfd = fd
         try:
             os.ftruncate(fd, self.nbytes)
         except OSError as exc:
-            raise _syscall("ftruncate", exc) from exc
+            raise SyscallError("ftruncate", exc) from exc
         held.mine = _map(fd, self.nbytes, True)
         _HEADER.pack_into(held.mine, 0, MAGIC, RING_VERSION, SLOT_BYTES, self.slots, self.release_slots)
         try:
             # After the writable mapping (FUTURE_WRITE spares mappings that exist), before the fd leaves.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _OWN_SEALS)
         except OSError as exc:
-            raise _syscall("fcntl(F_ADD_SEALS)", exc) from exc
+            raise SyscallError("fcntl(F_ADD_SEALS)", exc) from exc
 
     # --- set-up ---------------------------------------------------------------------------------------
 
@@ -398,7 +399,7 @@ class Rings:
             try:
                 peer_wake = os.dup(wake)  # close-on-exec, as os.dup makes every fd
             except OSError as exc:
-                raise _syscall("dup", exc) from exc
+                raise SyscallError("dup", exc) from exc
         except BaseException:
             peer.close()
             raise
@@ -481,11 +482,11 @@ class Rings:
                 ordering or event byte is out of range (Note [the peer's region]).
             ForkedResourceError: inherited through ``fork()``.
         """
+        if self._owner != _forks.pid:
+            raise self._forked()
         slot = self._next
         if slot is not None:
             return slot.sock_seq
-        if self._owner != _forks.pid:
-            raise self._forked()
         peer = self._peer
         if peer is None:
             return None
@@ -523,14 +524,14 @@ class Rings:
             InvalidArgumentError: no slot is published (call :meth:`peek_sock_seq` first).
             ProtocolError, ForkedResourceError: as :meth:`peek_sock_seq`.
         """
+        if self._owner != _forks.pid:
+            raise self._forked()
         slot = self._next
         if slot is None:
             if self.peek_sock_seq() is None:
                 raise InvalidArgumentError("ring: take() with no slot published")
             slot = self._next
             assert slot is not None
-        elif self._owner != _forks.pid:
-            raise self._forked()
         self._next = None
         self._last_sock_seq = slot.sock_seq
         self._in_head = head = self._in_head + 1
@@ -655,7 +656,7 @@ class Rings:
         except BlockingIOError:
             pass
         except OSError as exc:
-            raise _syscall("eventfd_read", exc) from exc
+            raise SyscallError("eventfd_read", exc) from exc
 
     def _wake(self) -> None:
         try:
@@ -663,7 +664,7 @@ class Rings:
         except BlockingIOError:
             pass  # the counter is at its maximum: the peer has a wake-up waiting already
         except OSError as exc:
-            raise _syscall("eventfd_write", exc) from exc
+            raise SyscallError("eventfd_write", exc) from exc
 
     # --- the end --------------------------------------------------------------------------------------
 
