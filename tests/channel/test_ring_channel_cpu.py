@@ -24,14 +24,14 @@ import pytest
 from dmabuf_interop import fdpass
 from dmabuf_interop.channel import SharedPool, connect, listen
 from dmabuf_interop.channel import rendezvous
-from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings, ring_unavailable
+from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings
 from dmabuf_interop.channel.protocol import PROTOCOL_VERSION, host_boot_id
 from dmabuf_interop.channel.wire import recv_frame, send_frame
 from dmabuf_interop.errors import ForkedResourceError, InvalidArgumentError, ProtocolError, WaitTimeoutError
 from tests.helpers.bounded import bounded, child, error, reap, result
 from tests.helpers.channels import connect_in_thread
 
-pytestmark = pytest.mark.skipif(ring_unavailable() is not None, reason=f"no shared-memory ring: {ring_unavailable()}")
+pytestmark = pytest.mark.ring
 
 
 def _pair(addr: str, pool: SharedPool | None, listen_ring: bool = True, connect_ring: bool = True,

@@ -200,7 +200,7 @@ def _pair(tmp_path: Path, pool: SharedPool | None, **connect_kw: Any):
                 yield ch, got["ch"]
 
 
-@pytest.mark.parametrize("with_ring", [True, False], ids=["ring", "socket"])
+@pytest.mark.parametrize("with_ring", [pytest.param(True, marks=pytest.mark.ring), False], ids=["ring", "socket"])
 def test_every_message_of_a_host_channel_validates(tmp_path: Path, with_ring: bool) -> None:
     """With the shared-memory ring, repeats without meta and releases go through it (the socket still carries
     the ring messages and the repeats with meta); without, every message is on the socket."""
