@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import (AddressInUseError, DmaBufError, InvalidArgumentError, PeerRefusedError, SyscallError,
-                      WaitTimeoutError)
+from ..errors import (AddressInUseError, DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError,
+                      SyscallError, WaitTimeoutError)
 from ..fdpass import send_message
 from ._autopool import Membership, join
 from ._ring import RING_VERSION, Rings, ring_unavailable
@@ -121,9 +121,14 @@ def _agree_ring(rings: Rings | None, mine: dict[str, Any], theirs: dict[str, Any
 
 
 def _offer_ring(sock: socket.socket, rings: Rings, timeout: float | None) -> None:
-    """Send this side's ``ring`` message with its fds (memfd, eventfd): the first message after the handshake."""
+    """Send this side's ``ring`` message with its fds (memfd, eventfd): the first message after the handshake.
+    A peer that has gone already (it may close as soon as its own side of the handshake is done) is not an
+    error here: the channel is made all the same and sees the end at once, as it would without a ring."""
     msg, fds = rings.offer()
-    send_message(sock, msg, fds, timeout=timeout, max_bytes=MAX_FRAME)
+    try:
+        send_message(sock, msg, fds, timeout=timeout, max_bytes=MAX_FRAME)
+    except PeerClosedError:
+        pass
 
 
 @dataclass(slots=True)
