@@ -274,8 +274,10 @@ mapping_getbuffer(Mapping *self, Py_buffer *view, int flags)
         view->obj = NULL;
         return -1;
     }
-    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->size, self->readonly, flags) < 0)
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->size, self->readonly, flags) < 0) {
+        view->obj = NULL; /* a writable buffer of a read-only mapping: BufferError */
         return -1;
+    }
     self->exports++;
     return 0;
 }
