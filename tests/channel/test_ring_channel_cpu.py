@@ -8,6 +8,7 @@ real :class:`~dmabuf_interop.channel._ring.Rings` where it needs a sound region 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -463,6 +464,170 @@ def test_sigkill_of_the_consumer_at_a_random_point_completes_every_lease(tmp_pat
     got = out.get("ok", out)
     assert got["ring"] and set(got["reasons"]) <= {"released", "disconnected"}, out
     assert got["end"] == got["start"] and got["used"] == 0, out
+
+
+# --- the channel's fds ----------------------------------------------------------------------------------------
+
+
+def _fd_kinds(skip_pool: bool = False) -> dict[str, int]:
+    """This process's fds by kind: ``socket``, ``pipe``, ``eventfd``, a memfd by its name, else the path."""
+    out: collections.Counter[str] = collections.Counter()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the directory listing's own fd
+            continue
+        if target.startswith(("socket:", "pipe:")):
+            kind = target.split(":")[0]
+        elif target.startswith("/memfd:"):
+            kind = target.removesuffix(" (deleted)")
+        elif target == "anon_inode:[eventfd]":
+            kind = "eventfd"
+        else:
+            kind = target
+        if not (skip_pool and kind == "/memfd:dmabuf-interop-pool"):
+            out[kind] += 1
+    return dict(out)
+
+
+def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
+
+
+#: What a channel with the ring holds: its socket, its region's memfd and eventfd, and the peer's eventfd (the
+#: peer's memfd is mapped, then closed).
+_RING_CHANNEL_FDS = {"/memfd:dmabuf-interop-ring": 1, "eventfd": 2, "socket": 1}
+
+
+def test_connect_and_accept_hand_out_a_channel_that_holds_all_its_fds(tmp_path: Path) -> None:
+    """Both ends hold every fd of the connection (the peer's eventfd too) when ``connect`` returns and when
+    ``accept`` hands the channel out: hand-offs and releases through the ring add none (a producer that only
+    sends used to attach the consumer's ring in its reader, some time after its first send)."""
+    addr = str(tmp_path / "a.sock")
+
+    def scenario() -> dict[str, Any]:
+        pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+        blocks = [pool.empty(512, "int64") for _ in range(4)]
+        lst = listen(addr, pool=pool)
+
+        def consumer() -> dict[str, Any]:
+            before = _fd_kinds(skip_pool=True)
+            with connect(addr, timeout=10) as ch:
+                made = _fd_kinds(skip_pool=True)  # (the producer's chunk is imported, and kept, at its first use)
+                for _ in range(40):
+                    ch.recv(10).release()
+                after = _fd_kinds(skip_pool=True)
+            return {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made)}
+
+        before = _fd_kinds(skip_pool=True)
+        pid, rfd = child(consumer)
+        ch = lst.accept(10)
+        made = _fd_kinds(skip_pool=True)
+        leases: list[Any] = []
+        for k in range(40):
+            if len(leases) >= 4:
+                leases.pop(0).wait(10)
+            leases.append(ch.send(blocks[k % 4], timeout=10))
+        for lease in leases:
+            lease.wait(10)
+        after = _fd_kinds(skip_pool=True)
+        got = result(rfd, 30)
+        reap(pid)
+        out = {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made), "consumer": got}
+        ch.close()
+        lst.close()
+        pool.close()
+        return out
+
+    out = bounded(scenario, 60)
+    cons = out["consumer"].get("ok", out["consumer"])
+    assert out["ring"] and cons["ring"], out
+    assert out["made"] == {**_RING_CHANNEL_FDS, "pipe": 1} and cons["made"] == _RING_CHANNEL_FDS, out  # (the child's result pipe)
+    assert out["grew"] == {} and cons["grew"] == {}, out
+
+
+def test_a_ring_channel_leaves_no_fd_behind_after_close_on_both_ends(tmp_path: Path) -> None:
+    """Counted before ``listen`` / ``connect`` and after ``close``, by kind: the listener's process and the
+    connector's (each after hand-offs through the ring both ways: repeats and releases)."""
+    addr = str(tmp_path / "c.sock")
+
+    def scenario() -> dict[str, Any]:
+        start = _fd_kinds()
+        pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+        blocks = [pool.empty(512, "int64") for _ in range(4)]
+        lst = listen(addr, pool=pool)
+
+        def consumer() -> dict[str, Any]:
+            before = _fd_kinds()
+            ch = connect(addr, timeout=10)
+            for _ in range(20):
+                ch.recv(10).release()
+            ring = ch.ring
+            ch.close()
+            return {"ring": ring, "left": _minus(_fd_kinds(), before)}
+
+        pid, rfd = child(consumer)
+        ch = lst.accept(10)
+        ring = ch.ring
+        for k in range(20):
+            ch.send(blocks[k % 4], timeout=10).wait(10)
+        got = result(rfd, 30)
+        reap(pid)
+        ch.close()
+        lst.close()
+        del blocks
+        pool.close()
+        return {"ring": ring, "left": _minus(_fd_kinds(), start), "consumer": got}
+
+    out = bounded(scenario, 60)
+    cons = out["consumer"].get("ok", out["consumer"])
+    assert out["ring"] and cons["ring"], out
+    assert out["left"] == {} and cons["left"] == {}, out
+
+
+def test_sigkill_of_the_producer_leaves_the_consumer_no_fd(tmp_path: Path) -> None:
+    """The listening producer dies by SIGKILL mid-stream: the consumer's ``recv`` ends, and after ``close`` its
+    fds are those it had before ``connect``, by kind."""
+    addr = str(tmp_path / "k.sock")
+
+    def scenario() -> dict[str, Any]:
+        def producer() -> dict[str, Any]:
+            pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+            blocks = [pool.empty(512, "int64") for _ in range(8)]
+            lst = listen(addr, pool=pool)
+            ch = lst.accept(10)
+            leases: dict[int, Any] = {}
+            for k in range(1 << 30):  # blocks 0-2 once (the consumer holds them), then 3-7 in turn
+                i = k if k < 3 else 3 + k % 5
+                if i in leases:
+                    leases.pop(i).wait(10)
+                leases[i] = ch.send(blocks[i], timeout=10)
+            return {}
+
+        start = _fd_kinds()
+        pid, rfd = child(producer)
+        ch = connect(addr, timeout=10, wait=True)
+        ring = ch.ring
+        held = [ch.recv(10) for _ in range(3)]  # held: the producer goes on with its other blocks
+        for _ in range(50):
+            ch.recv(10).release()
+        os.kill(pid, signal.SIGKILL)
+        reap(pid)
+        ended = None
+        try:
+            while True:
+                ch.recv(10).release()
+        except Exception as exc:  # noqa: BLE001 - the peer is gone
+            ended = type(exc).__name__
+        for r in held:
+            r.release()
+        ch.close()
+        os.close(rfd)
+        return {"ring": ring, "ended": ended, "left": _minus(_fd_kinds(), start)}
+
+    out = bounded(scenario, 60)
+    assert out["ring"] and out["ended"] == "PeerClosedError", out
+    assert out["left"] == {}, out
 
 
 # --- fork, spin, the queue bound ------------------------------------------------------------------------------

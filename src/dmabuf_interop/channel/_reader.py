@@ -325,6 +325,23 @@ class Reading:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
 
+    def _attach_peer_ring(self, deadline: float | None) -> None:
+        """Read the peer's first socket message, its ``ring`` message, and attach its region: the handshake's
+        last step (:mod:`.rendezvous` hands the channel out after it), so that a channel holds every fd of
+        its connection from the start (the peer's eventfd, kept by :meth:`._ring.Rings.attach`) and its
+        first repeat and release can take the ring. A first message that is not a sound ``ring`` message, or
+        the peer's end, ends the connection here (the caller gets the channel, ended, as it would have seen
+        it at its first read). No other thread reads yet.
+
+        Raises:
+            WaitTimeoutError: nothing came by ``deadline`` (``time.monotonic()``; ``None``: no limit).
+        """
+        rings = self._conn.rings
+        with self._read_lock:
+            while not rings.attached and not self._proto.ended:
+                if not self._read_one(deadline):
+                    raise WaitTimeoutError("the peer's ring message did not come in time")
+
     def _read_arrived(self) -> bool:
         """Read one message if one has arrived, without waiting (no other thread reads the socket)."""
         if not self._read_lock.acquire(blocking=False):

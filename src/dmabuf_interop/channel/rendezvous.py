@@ -11,7 +11,8 @@ kernel's boot id, the shared-memory ring offered), in a handshake thread of the 
 [concurrent handshakes] in :mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
 closes; the refused side raises :class:`~..errors.PeerRefusedError`. When both hellos offer the ring, each
 side sends its ``ring`` message (:mod:`._ring`: the region's memfd and the eventfd, by ``SCM_RIGHTS``) as
-its first message after the handshake.
+its first message after the handshake, then reads and attaches the peer's before it hands the channel out
+(``connect`` returns, ``accept`` sees it): a channel holds every fd of its connection from the start.
 """
 
 from __future__ import annotations
@@ -118,6 +119,23 @@ def _agree_ring(rings: Rings | None, mine: dict[str, Any], theirs: dict[str, Any
         rings.close()
         return None
     return rings
+
+
+def _ready(ch: Channel, deadline: float | None) -> Channel:
+    """``ch`` once the peer's ``ring`` message is read and attached (when the ring was agreed): the
+    handshake's last step, so that the channel holds every fd of its connection when it is handed out and
+    its first repeat and release can take the ring. Closes ``ch`` when that fails.
+
+    Raises:
+        WaitTimeoutError: the peer's ring message did not come by ``deadline``.
+    """
+    if ch.ring:
+        try:
+            ch._attach_peer_ring(deadline)
+        except BaseException:
+            ch.close(0.0)
+            raise
+    return ch
 
 
 def _offer_ring(sock: socket.socket, rings: Rings, timeout: float | None) -> None:
@@ -254,12 +272,13 @@ class _Local:
             if rings is not None:
                 _offer_ring(conn, rings, remaining(deadline))
             peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-            return Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering,
-                           auto_pools=self.auto, rings=rings, spin=self.spin)
+            ch = Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering,
+                         auto_pools=self.auto, rings=rings, spin=self.spin)
         except BaseException:
             if rings is not None:
                 rings.close()
             raise
+        return _ready(ch, deadline)  # (the channel owns the rings now)
 
 
 class Listener(ListenerBase):
@@ -556,4 +575,9 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         sock.close()
         raise
     peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-    return Channel(sock, peer, pool=pool, device=device, ordering=ordering, rings=rings, spin=spin)
+    ch = Channel(sock, peer, pool=pool, device=device, ordering=ordering, rings=rings, spin=spin)
+    try:
+        return _ready(ch, deadline)
+    except WaitTimeoutError as exc:
+        raise WaitTimeoutError(f"connected to {str(address)!r}, but the listener's ring message did not come "
+                               f"within {timeout} s") from exc
