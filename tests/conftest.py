@@ -10,6 +10,10 @@ run that tested nothing is not green.
 The ``nixl`` marker does the same for tests of ``tcp://`` channels where NIXL is
 not installed; ``--require-nixl`` or ``DMABUF_INTEROP_REQUIRE_NIXL=1`` (CI sets
 it) makes such a skip a failure.
+
+The ``ring`` marker does the same for tests of the shared-memory ring where its C extension
+(``dmabuf_interop._atomic``) is not built or the kernel lacks the memfd seals it needs;
+``--require-ring`` or ``DMABUF_INTEROP_REQUIRE_RING=1`` (CI sets it) makes such a skip a failure.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tests.helpers.remote import nixl_missing
 
 _NO_GPU = pytest.StashKey[str]()
 _NO_NIXL = pytest.StashKey[str]()
+_NO_RING = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--require-nixl", action="store_true",
                      help="fail, instead of skipping, every nixl test where NIXL is not installed "
                           "(also: DMABUF_INTEROP_REQUIRE_NIXL=1)")
+    parser.addoption("--require-ring", action="store_true",
+                     help="fail, instead of skipping, every ring test where the shared-memory ring is unavailable "
+                          "(also: DMABUF_INTEROP_REQUIRE_RING=1)")
 
 
 def _required(config: pytest.Config, what: str) -> bool:
@@ -46,6 +54,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.stash[_NO_NIXL] = no_nixl
         else:
             item.add_marker(pytest.mark.skip(reason=no_nixl))
+    ring_items = [i for i in items if i.get_closest_marker("ring")]
+    if ring_items:
+        from dmabuf_interop.channel._ring import ring_unavailable
+
+        no_ring = ring_unavailable()
+        for item in ring_items if no_ring else ():
+            if _required(config, "ring"):
+                item.stash[_NO_RING] = no_ring
+            else:
+                item.add_marker(pytest.mark.skip(reason=no_ring))
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -69,3 +87,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     why = item.stash.get(_NO_NIXL, None)
     if why is not None:
         pytest.fail(f"NIXL required (--require-nixl / DMABUF_INTEROP_REQUIRE_NIXL=1) but: {why}", pytrace=False)
+    why = item.stash.get(_NO_RING, None)
+    if why is not None:
+        pytest.fail(f"the shared-memory ring required (--require-ring / DMABUF_INTEROP_REQUIRE_RING=1) but: {why}",
+                    pytrace=False)

@@ -16,7 +16,8 @@ def _commands() -> list[str]:
 def test_readme_has_the_two_setup_commands():
     cmds = _commands()
     assert any(c.endswith("&& dmabuf-interop") and "pip install ." in c for c in cmds), cmds
-    assert any("pip install '.[test]'" in c and c.endswith("python -m pytest -q") for c in cmds), cmds
+    # Editable: the C extension (the ring's atomics) is built into src/, which the tests import.
+    assert any("pip install -e '.[test]'" in c and c.endswith("python -m pytest -q") for c in cmds), cmds
 
 
 def test_ci_runs_the_readme_test_command():
@@ -41,6 +42,15 @@ def test_test_command_installs_nixl_without_torch_and_ci_requires_it():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     require = [i for i, line in enumerate(ci) if line.startswith("export DMABUF_INTEROP_REQUIRE_NIXL=1")]
     assert require and require[0] < ci.index(test_cmd)  # the NIXL tests fail rather than skip in CI
+
+
+def test_ci_requires_the_ring():
+    """CI builds the ring's C extension (the editable install) and its tests fail rather than skip there."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    test_cmd = next(c for c in _commands() if c.endswith("python -m pytest -q"))
+    require = [i for i, line in enumerate(ci) if line.startswith("export DMABUF_INTEROP_REQUIRE_RING=1")]
+    assert require and require[0] < ci.index(test_cmd)
+    assert 'optional=True' in (ROOT / "setup.py").read_text()  # no compiler: the package installs all the same
 
 
 def test_the_html_docs_hold_every_guide():

@@ -615,9 +615,10 @@ def test_single_sends_of_pool_arrays_are_remembered_per_array(addr: str, pool: S
 
 
 def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
-
+    """On the socket (no shared-memory ring: its releases need no message), a busy consumer's releases share
+    messages."""
     with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
-        listener, prod, cons = pair(addr, pool)
+        listener, prod, cons = pair(addr, pool, ring=False)
         seen: list[int] = []
         handle = prod._handle
 

@@ -113,7 +113,7 @@ def hostile(addr: str, script) -> threading.Thread:
         conn, _ = srv.accept()
         srv.close()
         send_frame(conn, {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": "x", "boot_id": host_boot_id(),
-                          "gpus": [], "pid": os.getpid()})
+                          "gpus": [], "pid": os.getpid(), "ring": None})
         recv_frame(conn, 10)
         script(conn)
         try:
@@ -137,7 +137,7 @@ def desc(**kw) -> dict:
     ("bool lease", lambda c: send_frame(c, {"kind": "array", "lease": True, "desc": desc()}), "integer"),
     ("release of a lease never lent", lambda c: send_frame(c, {"kind": "release", "leases": [7]}), "unknown lease"),
     ("hello again", lambda c: send_frame(c, {"kind": "hello", "protocol": 1, "library": "x", "boot_id": "b",
-                                             "gpus": [], "pid": 1}), "after the handshake"),
+                                             "gpus": [], "pid": 1, "ring": None}), "after the handshake"),
     ("repeat of a layout never defined", lambda c: send_frame(c, {"kind": "repeat", "lease": 1, "layout": 3,
                                                                   "ordering": "none", "event": None, "meta": None}),
      "unknown layout"),

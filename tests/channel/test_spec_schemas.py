@@ -41,6 +41,7 @@ from referencing.jsonschema import DRAFT202012
 
 from dmabuf_interop.channel import SharedPool, connect, listen, parse_message
 from dmabuf_interop.channel import protocol as P
+from dmabuf_interop.channel._ring import ring_unavailable
 from dmabuf_interop.channel.protocol import MAX_METADATA_BYTES, parse_nixl, parse_region
 from dmabuf_interop.channel.auth import _NONCE_BYTES, _field, authenticate_connector, authenticate_listener
 from dmabuf_interop.channel.wire import MAX_FRAME
@@ -58,7 +59,7 @@ Strict = validators.extend(Draft202012Validator, type_checker=Draft202012Validat
     "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)))
 VALIDATORS = {kind: Strict(s, registry=REGISTRY) for kind, s in SCHEMAS.items() if kind != "common"}
 #: The kinds parse_message knows (every message after the handshake, and hello / refuse during it).
-CHANNEL_KINDS = ("hello", "refuse", "chunk", "retire", "array", "arrays", "repeat", "release", "bye")
+CHANNEL_KINDS = ("hello", "refuse", "ring", "chunk", "retire", "array", "arrays", "repeat", "release", "bye")
 #: The kinds of the tcp:// handshake and the tcp:// chunk announcement.
 REMOTE_KINDS = ("challenge", "auth", "proof", "nixl", "region")
 
@@ -200,9 +201,12 @@ def _pair(tmp_path: Path, pool: SharedPool | None, **connect_kw: Any):
                 yield ch, got["ch"]
 
 
-def test_every_message_of_a_host_channel_validates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_ring", [pytest.param(True, marks=pytest.mark.ring), False], ids=["ring", "socket"])
+def test_every_message_of_a_host_channel_validates(tmp_path: Path, with_ring: bool) -> None:
+    """With the shared-memory ring, repeats without meta and releases go through it (the socket still carries
+    the ring messages and the repeats with meta); without, every message is on the socket."""
     with captured() as seen, SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
-        with _pair(tmp_path, pool) as (prod, cons):
+        with _pair(tmp_path, pool, ring=with_ring) as (prod, cons):
             a = pool.empty((4, 3), "float64")
             a[...] = 1.5
             ring = pool.empty(8, "int32")
@@ -230,7 +234,11 @@ def test_every_message_of_a_host_channel_validates(tmp_path: Path) -> None:
             del big
             assert pool.trim() >= 1
     kinds = {m["kind"] for m in seen}
-    assert {"hello", "chunk", "array", "arrays", "repeat", "release", "retire", "bye"} <= kinds, kinds
+    assert {"hello", "chunk", "array", "arrays", "repeat", "retire", "bye"} <= kinds, kinds
+    assert ("ring" in kinds) == with_ring and ("release" in kinds) != with_ring, kinds
+    offers = {m["ring"] for m in seen if m["kind"] == "hello"}
+    # (The listener offers where the ring is available; the connector did not, or did.)
+    assert offers == ({1} if with_ring else {None} | ({1} if ring_unavailable() is None else set())), offers
     assert any(m["kind"] == "array" and "layout" in m for m in seen)
     assert any(m["kind"] == "arrays" and m["mapping"] for m in seen)
     assert_valid(seen)
@@ -380,6 +388,8 @@ EXTRA: dict[str, Callable[[dict[str, Any]], bool]] = {
     "arrays": lambda m: all(map(_descriptor_extra, m["items"])) and (
         not m["mapping"] or len({d["name"] for d in m["items"]}) == len(m["items"])),
     "repeat": lambda m: m["meta"] is None or _meta_bytes(m["meta"]) <= P.MAX_META_BYTES,
+    "ring": lambda m: all(m[k] & (m[k] - 1) == 0 for k in ("slots", "release_slots")) and m["bytes"] == (
+        (4096 + m["slots"] * 128 + m["release_slots"] * 8 + 4095) // 4096 * 4096),
     "nixl": lambda m: m["agent"] != OWN_AGENT,  # (state: the receiver's own agent name)
 }
 #: The receiver's NIXL agent name, for the ``nixl`` rule above.
@@ -511,10 +521,14 @@ def _with_layout(msg: dict[str, Any], layout: int | None) -> dict[str, Any]:
 
 
 VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
-    "hello": st.builds(lambda p, lib, boot, gpus, pid: {"kind": "hello", "protocol": p, "library": lib,
-                                                         "boot_id": boot, "gpus": gpus, "pid": pid},
+    "hello": st.builds(lambda p, lib, boot, gpus, pid, ring: {"kind": "hello", "protocol": p, "library": lib,
+                                                               "boot_id": boot, "gpus": gpus, "pid": pid, "ring": ring},
                        st.integers(0, 1 << 31), st.text(max_size=64), st.text(max_size=64),
-                       st.lists(st.text(max_size=64), max_size=4), st.integers(0, 1 << 31)),
+                       st.lists(st.text(max_size=64), max_size=4), st.integers(0, 1 << 31),
+                       st.none() | st.integers(1, 1 << 31)),
+    "ring": st.builds(lambda slots, rel: {"kind": "ring", "version": 1, "slots": 1 << slots, "release_slots": 1 << rel,
+                                          "bytes": (4096 + (128 << slots) + (8 << rel) + 4095) // 4096 * 4096},
+                      st.integers(0, 16), st.integers(0, 20)),
     "refuse": st.builds(lambda r: {"kind": "refuse", "reason": r}, st.text(max_size=100)),
     "chunk": chunks(),
     "retire": st.builds(lambda c: {"kind": "retire", "chunk": c}, ids),
@@ -698,7 +712,8 @@ BASES: dict[str, list[dict[str, Any]]] = {
     "repeat": [{"kind": "repeat", "lease": 1, "layout": 2, "ordering": "event", "event": B64_64, "meta": {"a": 1}}],
     "release": [{"kind": "release", "leases": [1, 2, 3]}],
     "hello": [{"kind": "hello", "protocol": 4, "library": "x", "boot_id": "b", "gpus": ["GPU-0", "GPU-1"],
-               "pid": 1}],
+               "pid": 1, "ring": 1}],
+    "ring": [{"kind": "ring", "version": 1, "bytes": 45056, "slots": 256, "release_slots": 1024}],
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dmabuf_interop.channel._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch,
                                            HelloReceived, LayoutForgotten, LeasesReleased, Phase, PeerClosed,
-                                           PeerRefused)
+                                           PeerRefused, RingOffered)
 from dmabuf_interop.errors import ProtocolError
 
 _VECTORS = resources.files("dmabuf_interop.channel") / "spec" / "vectors"
@@ -45,6 +45,8 @@ def event_json(ev: Any) -> dict[str, Any]:
         return {"event": "layout_forgotten", "layout": ev.layout}
     if t is LeasesReleased:
         return {"event": "leases_released", "leases": list(ev.leases)}
+    if t is RingOffered:
+        return {"event": "ring_offered", **{k: ev.msg[k] for k in ("version", "bytes", "slots", "release_slots")}}
     if t is PeerClosed:
         return {"event": "peer_closed"}
     if t is PeerRefused:
@@ -53,7 +55,8 @@ def event_json(ev: Any) -> dict[str, Any]:
 
 
 def run_vector(v: dict[str, Any]) -> ConnectionState:
-    state = ConnectionState(v.get("transport", "fd"), phase=Phase(v.get("phase", "open")), **v.get("limits", {}))
+    state = ConnectionState(v.get("transport", "fd"), phase=Phase(v.get("phase", "open")), ring=v.get("ring", False),
+                            **v.get("limits", {}))
     steps = v["steps"]
     for i, step in enumerate(steps):
         if "lend" in step:

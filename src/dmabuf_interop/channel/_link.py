@@ -30,7 +30,8 @@ class Link:
     """Sends on one connected socket (AF_UNIX, or TCP with no fd). ``lock`` is the channel's send lock:
     whoever holds it may call :meth:`send_locked`; :meth:`send` takes it. ``owner`` is the thread that
     took it through :meth:`acquire` or sends under it (``0``: none known), so that a ``close()`` called
-    inside that thread's own send (a signal handler) knows not to wait for it.
+    inside that thread's own send (a signal handler) knows not to wait for it. ``sent`` counts the messages
+    that went out whole since the handshake (a shared-memory ring slot says how many came before it).
 
     Args:
         sock: the socket (the channel owns it and closes it).
@@ -44,6 +45,7 @@ class Link:
         self.send_timeout = send_timeout
         self.lock = threading.Lock()
         self.owner = 0
+        self.sent = 0  # messages gone out whole (changed under the lock)
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes)."""
@@ -131,6 +133,7 @@ class Link:
             what = "was cut off" if cut else "could not go"
             raise PeerClosedError(f"the {frame_kind(obj)!r} message to the peer {what} ({exc}): the connection is "
                                   f"ended") from exc
+        self.sent += 1
 
     def ended(self) -> DmaBufError:
         """The error for a call on a channel that has ended, saying how it ended, chained to the cause:

@@ -6,10 +6,19 @@ The background reader (:func:`_read_loop`) holds the parts of the connection (:c
 reference to the channel; :class:`Reading` holds the channel's methods that read, which ``recv`` in the caller's
 thread and the background reader share. Threads, locks, the queue bound and finalizers: Note [channel threads
 and fork], in :mod:`.channel`.
+
+Where the peer's shared-memory ring is attached (:mod:`._ring`), messages come from two sources, handled in the
+peer's order (:meth:`Reading._arrived`): a ring slot that the peer published after ``n`` socket messages is
+handled after the peer's socket messages ``0..n-1`` and before its message ``n``. Socket messages are counted
+from the first after the handshake (``_Conn.sock_next``); the next socket message, once read, waits in
+``_Conn.ahead`` while slots before it are handled. Every wait is on the socket AND the ring's eventfd, with the
+ring's ``asleep`` flag set around it (:meth:`._ring.Rings.sleep_begin`), so the peer's death (the socket's
+hang-up) is still seen at once and a slot published while this end sleeps wakes it.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import numbers
 import os
@@ -30,7 +39,7 @@ from ..fdpass import _broken_recv, close_fds
 from ._link import Link
 from ._releases import ReleaseQueue
 from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, LayoutForgotten,
-                     LeasesReleased, PeerClosed, PeerRefused)
+                     LeasesReleased, PeerClosed, PeerRefused, RingOffered)
 from ._torch_views import LayoutViews
 from .protocol import parse_message
 from .sending import MemoTable
@@ -41,6 +50,14 @@ _ARRAY_KINDS = frozenset(("array", "arrays", "repeat"))  # the messages that que
 _POLLIN = select.POLLIN
 _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _get_ident = threading.get_ident
+_monotonic = time.monotonic
+_RING = object()  # (Reading._arrived) the next message is the peer ring's next slot
+_NO_FDS: list[int] = []  # (never changed) the fds of a ring slot
+#: Checks of the socket while a ``recv`` spins on the ring: one ``poll(0)`` every this many looks at the ring.
+_SPIN_SOCKET_EVERY = 32
+#: Seconds a ring slot may wait for the socket messages the peer sent before it (they are in this end's socket
+#: already when the peer is sound; a peer whose slot names messages it never sent has broken the protocol).
+ORDER_WAIT = 1.0
 
 
 @dataclass(slots=True)
@@ -74,11 +91,37 @@ class _Conn:
     queue: collections.deque = field(default_factory=collections.deque)
     imports: dict = field(default_factory=dict)  # the peer's chunks as imported here (the reader's)
     layout_views: dict = field(default_factory=dict)  # the peer's layouts' shared tensor runs (the reader's)
-    parked: tuple | None = None  # an array message read while the queue was full: (msg, fds)
+    parked: bool = False  # the next message (a ring slot, or ``ahead``) is an array and the queue was full
     wake_fd: int = -1  # an eventfd: recv() wakes a reader parked for room (made on the first park)
+    rings: Any = None  # this connection's shared-memory rings (._ring.Rings), or None: the socket alone
+    poller: Any = None  # (the reader's) poll of the socket and the ring's eventfd, made when the ring attaches
+    ahead: tuple | None = None  # the next socket message, read and not yet handled: (msg, fds)
+    sock_next: int = 0  # the number of the next socket message to handle (the peer's first after the handshake: 0)
     unbounded: bool = False  # the peer hung up (or this end shut down): take what is left whatever the bound
     has_reader: bool = False
     finish_here: bool = False  # whoever ends the connection also drops the queue and closes the carrier
+
+
+def _poll_ms(deadline: float | None) -> int:
+    """``poll(2)``'s timeout for ``deadline`` (``time.monotonic()``; ``None``: -1, no limit), rounded up."""
+    if deadline is None:
+        return -1
+    left = (deadline - _monotonic()) * 1000
+    return 0 if left <= 0 else min(2**31 - 1, int(left) + 1)
+
+
+def _ring_releases(conn: _Conn) -> None:
+    """Complete the leases the peer released through its release ring (under the state lock: the reader and
+    the senders take them). Raises ProtocolError for an id not lent, or a ring out of step."""
+    with conn.state:
+        if conn.proto.ended:
+            return
+        ids = conn.rings.take_releases()
+        if not ids:
+            return
+        tokens = conn.proto.peer_released(ids).tokens
+    for lease in tokens:
+        lease._complete("released")
 
 
 def _check_max_queued(value: Any) -> int:
@@ -93,22 +136,33 @@ def _read_loop(ref: "weakref.ref[Reading]", conn: _Conn) -> None:
     here."""
     poller = select.poll()
     poller.register(conn.sock, _POLLIN)  # (POLLHUP, POLLERR: always)
+    ring_polled = False
     with conn.read_lock:  # waits for a recv() reading in its caller's thread to finish
         while not conn.proto.ended:
-            if conn.parked is not None:
+            rings = conn.rings
+            if conn.parked:
                 _wait_for_room(conn)
-            elif not conn.frames.buffered():
-                poller.poll()  # PEP 475: an EINTR is retried
+            elif conn.frames.buffered() or conn.ahead is not None:
+                pass
+            elif rings is not None and rings.attached:
+                if not ring_polled:
+                    poller.register(rings.wake_fd, _POLLIN)
+                    ring_polled = True
+                if rings.sleep_begin():  # else a slot or a release arrived meanwhile: no sleep
+                    try:
+                        poller.poll()  # PEP 475: an EINTR is retried
+                    finally:
+                        rings.sleep_end()
+            else:
+                poller.poll()
             ch = ref()
             if ch is None:
                 _end_connection(conn)
                 return
-            if conn.parked is None:
-                ch._read_one(None)
-            elif conn.unbounded or len(conn.queue) < conn.max_queued or conn.proto.over:
-                msg, fds = conn.parked
-                conn.parked = None
-                ch._take(msg, fds)
+            if conn.parked and (conn.unbounded or len(conn.queue) < conn.max_queued or conn.proto.over):
+                conn.parked = False
+            if not conn.parked:
+                ch._read_one(_monotonic() if rings is not None else None)  # (waits for nothing more)
             ch = None  # not held while waiting
 
 
@@ -135,12 +189,22 @@ def _end_connection(conn: _Conn) -> None:
     the fds of messages read and not handled. The caller reads the socket (holds ``read_lock``) or no one
     can (the channel was collected)."""
     link = conn.link
+    released: tuple = ()
     link.acquire()
     try:
         conn.memos.clear()
         with conn.state:
+            rings = conn.rings
+            if rings is not None:
+                # Releases the peer made before it went are releases (a socket one would have been read too).
+                if rings.attached and not isinstance(conn.proto.error, ProtocolError):
+                    try:
+                        released = conn.proto.peer_released(rings.take_releases()).tokens
+                    except ProtocolError:
+                        pass
+                rings.close()  # (under the send and state locks: no push or take runs)
             leases = conn.proto.end()
-            parked, conn.parked = conn.parked, None
+            parked, conn.ahead, conn.parked = conn.ahead, None, False
             if conn.wake_fd >= 0:  # (under the state lock, as recv() writes to it)
                 os.close(conn.wake_fd)
                 conn.wake_fd = -1
@@ -155,6 +219,8 @@ def _end_connection(conn: _Conn) -> None:
     if parked is not None:
         close_fds(parked[1])
     conn.frames.discard()
+    for lease in released:
+        lease._complete("released")
     for lease in leases:
         lease._complete("closed" if conn.proto.closed_here else "disconnected")
     for chunk in list(conn.imports.values()):
@@ -210,7 +276,7 @@ class Reading:
     """The methods of a :class:`.channel.Channel` that read the socket and end the connection: ``recv`` in
     the caller's thread and the background reader share them (they use the channel's attributes)."""
 
-    def _next(self, timeout: float | None, want_batch: bool) -> _Queued:
+    def _next(self, timeout: float | None, want_batch: bool, spin: float = 0.0) -> _Queued:
         if self._owner != _forks.pid:
             raise ForkedResourceError("this channel", self._owner)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
@@ -225,7 +291,7 @@ class Reading:
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
                         raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
-                    if self._conn.parked is not None:  # the reader waits for room (set under this lock)
+                    if self._conn.parked:  # the reader waits for room (set under this lock)
                         os.eventfd_write(self._conn.wake_fd, 1)
                     return self._queue.popleft()
                 if self._proto.closed_here:
@@ -251,13 +317,30 @@ class Reading:
                     continue
                 self._read_owner = _get_ident()
             try:
-                drained = not self._read_one(deadline)  # in this thread: no hand-over between threads
+                drained = not self._read_one(deadline, spin)  # in this thread: no hand-over between threads
             finally:
                 self._read_owner = 0
                 self._read_lock.release()
                 if self._waiters:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
+
+    def _attach_peer_ring(self, deadline: float | None) -> None:
+        """Read the peer's first socket message, its ``ring`` message, and attach its region: the handshake's
+        last step (:mod:`.rendezvous` hands the channel out after it), so that a channel holds every fd of
+        its connection from the start (the peer's eventfd, kept by :meth:`._ring.Rings.attach`) and its
+        first repeat and release can take the ring. A first message that is not a sound ``ring`` message, or
+        the peer's end, ends the connection here (the caller gets the channel, ended, as it would have seen
+        it at its first read). No other thread reads yet.
+
+        Raises:
+            WaitTimeoutError: nothing came by ``deadline`` (``time.monotonic()``; ``None``: no limit).
+        """
+        rings = self._conn.rings
+        with self._read_lock:
+            while not rings.attached and not self._proto.ended:
+                if not self._read_one(deadline):
+                    raise WaitTimeoutError("the peer's ring message did not come in time")
 
     def _read_arrived(self) -> bool:
         """Read one message if one has arrived, without waiting (no other thread reads the socket)."""
@@ -278,16 +361,18 @@ class Reading:
         with self._state:
             return self._state.wait_for(lambda: self._proto.ended, timeout)
 
-    def _read_one(self, deadline: float | None) -> bool:
-        """Read and handle one message (the caller holds ``_read_lock``); a message that ends the
-        connection, or breaks the protocol, ends it here (:meth:`_end`). Returns False when
-        nothing arrived by ``deadline`` (the caller's own deadline check raises), else True.
-        The background reader parks an array message read while :attr:`max_queued` are queued
-        (:func:`_read_loop` takes it once there is room)."""
+    def _read_one(self, deadline: float | None, spin: float = 0.0) -> bool:
+        """Read and handle one message, from the socket or the peer's ring (the caller holds ``_read_lock``);
+        a message that ends the connection, or breaks the protocol, ends it here (:meth:`_end`). Returns
+        False when nothing arrived by ``deadline`` (the caller's own deadline check raises), else True.
+        ``spin``: seconds to poll the ring before sleeping. The background reader parks an array message
+        (a socket message or a ring slot) while :attr:`max_queued` are queued (:func:`_read_loop` takes
+        it once there is room)."""
         if self._proto.ended:
             return True
+        conn = self._conn
         try:
-            msg, fds = self._frames.read_by(deadline)  # (no remaining() and deadline_after() back per message)
+            got = self._arrived(deadline, spin)  # (no remaining() and deadline_after() back per message)
         except WaitTimeoutError as exc:
             if self._sock not in _broken_recv:
                 return False  # nothing began to arrive
@@ -299,9 +384,10 @@ class Reading:
             self._proto.fail(exc)
             self._end()
             return True
-        conn = self._conn
+        if got is None:
+            return False
         if len(self._queue) >= conn.max_queued and self._reader is not None and not conn.unbounded:
-            if msg.get("kind") in _ARRAY_KINDS and not self._proto.over:
+            if (got is _RING or got[0].get("kind") in _ARRAY_KINDS) and not self._proto.over:
                 with self._state:
                     if conn.wake_fd < 0:
                         try:
@@ -309,15 +395,136 @@ class Reading:
                         except OSError:  # no fd left (EMFILE): this one is queued beyond the bound
                             pass
                     if conn.wake_fd >= 0:
-                        conn.parked = (msg, fds)  # the socket stays unread: the peer's sends wait
+                        conn.parked = True  # the socket (and the ring) stay unread: the peer's sends wait
                         return True
+        if got is _RING:
+            try:
+                slot = conn.rings.take()  # copied out and validated
+            except (DmaBufError, OSError, ValueError) as exc:
+                self._proto.fail(exc)
+                self._end()
+                return True
+            event = slot.event
+            self._take({"kind": "repeat", "lease": slot.lease, "layout": slot.layout, "ordering": slot.ordering,
+                        "event": None if event is None else base64.b64encode(event).decode(), "meta": None},
+                       _NO_FDS, checked=True)
+            return True
+        msg, fds = got
+        conn.ahead = None
+        conn.sock_next += 1
         self._take(msg, fds)
         return True
 
-    def _take(self, msg: dict[str, Any], fds: list[int]) -> None:
-        """Handle one message read (its fds are closed after), ending the connection if it must."""
+    def _arrived(self, deadline: float | None, spin: float) -> Any:
+        """The next message in the peer's order: ``_RING`` (the next slot of the peer's ring, not yet
+        taken), or the next socket message ``(msg, fds)`` (kept in ``_Conn.ahead`` until handled), or
+        ``None``: nothing by ``deadline``. A slot the peer published after ``n`` of its socket messages comes
+        after those and before the next (its ``sock_seq``); one that claims fewer than were handled here
+        broke the order (ProtocolError). Raises as :meth:`.fdpass.FrameReader.read_by`."""
+        conn = self._conn
+        rings = conn.rings
+        if rings is None or not rings.attached:
+            if conn.ahead is None:
+                conn.ahead = self._frames.read_by(deadline)
+            return conn.ahead
+        while True:
+            seq = rings.peek_sock_seq()
+            if seq is not None and seq <= conn.sock_next:
+                if seq < conn.sock_next:
+                    raise ProtocolError(f"a ring slot published after {seq} socket messages arrived after "
+                                        f"{conn.sock_next} of them were handled")
+                return _RING
+            if conn.ahead is not None:
+                return conn.ahead
+            if seq is not None:
+                # The socket messages before this slot went out whole before it was published: they are in
+                # this end's socket already (AF_UNIX queues them there), unless the peer lied.
+                try:
+                    conn.ahead = self._frames.read_by(_monotonic() + ORDER_WAIT)
+                except WaitTimeoutError as exc:
+                    if self._sock in _broken_recv:
+                        raise
+                    raise ProtocolError(f"a ring slot follows {seq} socket messages, and only {conn.sock_next} "
+                                        f"came within {ORDER_WAIT} s") from exc
+                continue
+            if self._frames.buffered():
+                conn.ahead = self._frames.read_by(deadline)
+                continue
+            readable = self._wait_both(deadline, spin)
+            if readable is None:
+                return None
+            if readable:
+                conn.ahead = self._frames.read_by(deadline)
+
+    def _wait_both(self, deadline: float | None, spin: float) -> bool | None:
+        """Wait for the socket or the peer's ring: True once the socket is readable (or hung up), False when
+        the ring may hold something, ``None`` when ``deadline`` passed with nothing. Releases in the ring are
+        taken first; ``spin`` seconds of looking at the ring (and, now and then, the socket) come before the
+        sleep, which the peer is told of (``asleep``: its next publish rings the eventfd)."""
+        conn = self._conn
+        rings = conn.rings
+        self._ring_releases()
+        poller = conn.poller
+        if poller is None:
+            poller = conn.poller = select.poll()
+            poller.register(self._sock, _POLLIN)
+            poller.register(rings.wake_fd, _POLLIN)
+        events = poller.poll(0)
+        if not events:
+            left = remaining(deadline)
+            if left is not None and left <= 0:
+                return None
+            if spin > 0:  # load-bearing for latency: a consumer awake when the slot lands pays no wake-up
+                until = _monotonic() + (spin if left is None else min(spin, left))
+                peek = rings.peek_sock_seq
+                n = 0
+                while True:
+                    if peek() is not None:
+                        return False
+                    n += 1
+                    if n % _SPIN_SOCKET_EVERY == 0:
+                        events = poller.poll(0)
+                        if events or _monotonic() >= until:
+                            break
+            if not events:
+                if not rings.sleep_begin():
+                    return False  # something arrived meanwhile
+                try:
+                    events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
+                finally:
+                    rings.sleep_end()
+                if not events:
+                    left = remaining(deadline)
+                    return None if left is not None and left <= 0 else False
+        sock_fd = self._sock.fileno()
+        readable = False
+        for fd, _ in events:
+            if fd == sock_fd:
+                readable = True
+            else:  # (woken without a sleep: the eventfd is drained here)
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
+        return readable
+
+    def _ring_releases(self) -> None:
+        """Take the leases the peer released through its release ring (the exporter's side).
+
+        Raises:
+            ProtocolError: an id this end did not lend, or a release ring out of step (the caller ends the
+                connection).
+        """
+        _ring_releases(self._conn)
+
+    def _take(self, msg: dict[str, Any], fds: list[int], checked: bool = False) -> None:
+        """Handle one message read (its fds are closed after), ending the connection if it must. ``checked``:
+        a ring slot's ``repeat``, whose fields :meth:`._ring.Rings.take` validated."""
         try:
-            self._handle(msg, fds)
+            if checked:
+                self._handle(msg, fds, True)
+            else:
+                self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
@@ -329,12 +536,14 @@ class Reading:
         finally:
             close_fds(fds)
 
-    def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
+    def _handle(self, msg: dict[str, Any], fds: list[int], checked: bool = False) -> None:
         """Hand one message to the protocol state and act on its events: arrays are queued (under the
         state lock, with the state's own step, so that a ``close`` between them cannot lose a lease);
         chunks are imported, retired chunks unmapped once unused, released leases completed."""
         descs = None
-        if not (self._carrier.transport == "nixl" and isinstance(msg, dict) and msg.get("kind") == "region"):
+        if checked:
+            descs = _NO_FDS  # (a repeat: no descriptors)
+        elif not (self._carrier.transport == "nixl" and isinstance(msg, dict) and msg.get("kind") == "region"):
             _, descs = parse_message(msg)  # outside the state lock: a batch has thousands of descriptors
         with self._state:
             events = self._proto.receive(msg, len(fds), descs)
@@ -365,6 +574,9 @@ class Reading:
             elif t is LeasesReleased:
                 for lease in ev.tokens:
                     lease._complete("released")
+            elif t is RingOffered:
+                with self._state:  # (releases are pushed under it; the ring's other users wait for attached)
+                    self._conn.rings.attach(ev.msg, fds)  # (ProtocolError: a bad region or fd; keeps its own dups)
             elif t is PeerClosed:
                 raise PeerClosedError("the peer closed the channel")
             elif t is PeerRefused:

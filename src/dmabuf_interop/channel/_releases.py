@@ -4,6 +4,11 @@ with others of its burst by a flusher thread (see Note [channel threads and fork
 Measured and load-bearing: a release that goes out inline when none went out within :data:`RELEASE_GAP`
 reaches the exporter before its next send, not during it; a busy consumer's releases gather
 (:data:`RELEASE_BATCH` at a time, or within :data:`RELEASE_DELAY`) into one ``release`` message.
+
+Where the connection has the shared-memory ring (:mod:`._ring`), a release goes into the release ring at once,
+in the releasing thread: no syscall, unless the exporter's reader sleeps (then one ``eventfd`` write wakes it
+right after the release, before the exporter's next send rather than inside it); only what does not fit in the
+ring goes as a ``release`` message, by the rules above.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DmaBufError
-from .wire import encode_release
+from ..errors import DmaBufError, ProtocolError
+from ._ring import LEASE_LIMIT
+from .wire import encode_release, shut_down
 
 __all__ = ["ReleaseQueue", "RELEASE_DELAY", "RELEASE_GAP", "RELEASE_BATCH"]
 
@@ -32,10 +38,12 @@ class ReleaseQueue:
         link: the channel's :class:`._link.Link` (its writer, whose lock is the send lock).
         cond: the channel's state lock, under which ``pending`` changes.
         proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
+        rings: the channel's :class:`._ring.Rings` (``None``: no ring), used once the peer's is attached.
     """
 
-    def __init__(self, link: Any, cond: threading.Condition, proto: Any) -> None:
+    def __init__(self, link: Any, cond: threading.Condition, proto: Any, rings: Any = None) -> None:
         self._link = link
+        self._rings = rings
         self._cond = cond
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
@@ -53,6 +61,17 @@ class ReleaseQueue:
         with self._cond:
             if self._proto.over:
                 return
+            rings = self._rings
+            if rings is not None and not self.pending and rings.attached and lease_id < LEASE_LIMIT:
+                try:
+                    if not rings.push_releases([lease_id]):
+                        return  # in the release ring (under the state lock: one writer at a time)
+                except ProtocolError as exc:  # the peer's rel_head is out of step: end the connection
+                    self._proto.fail(exc)
+                    shut_down(self._link.sock)  # (the reader sees it and ends the connection; no send here)
+                    return
+                except (DmaBufError, OSError):
+                    pass  # (eventfd_write failed): by the socket, as below
             self.pending.append(lease_id)
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))

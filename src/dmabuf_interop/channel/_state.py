@@ -15,8 +15,8 @@ and nothing else: no socket, lock, thread, CUDA or ``/proc``. It holds
 :meth:`ConnectionState.receive` takes one message that :func:`.protocol.parse_message` (or
 :func:`.protocol.parse_region`) accepted and returns what it means as events
 (:class:`ChunkAnnounced`, :class:`ChunkRetired`, :class:`ArraysArrived`, :class:`EmptyBatch`,
-:class:`LayoutForgotten`, :class:`LeasesReleased`, :class:`HelloReceived`, :class:`PeerClosed`,
-:class:`PeerRefused`); a message that breaks a rule raises :class:`~..errors.ProtocolError` and
+:class:`LayoutForgotten`, :class:`LeasesReleased`, :class:`HelloReceived`, :class:`RingOffered`,
+:class:`PeerClosed`, :class:`PeerRefused`); a message that breaks a rule raises :class:`~..errors.ProtocolError` and
 ends the connection (:attr:`ConnectionState.end_reason` is then ``PROTOCOL_ERROR``). The sending
 side asks :meth:`ConnectionState.choose_layout` whether a placement defines a layout or repeats
 one, and reports a definition that went out with :meth:`ConnectionState.layout_sent`.
@@ -43,7 +43,7 @@ from .protocol import MAX_CHUNKS, MAX_LAYOUTS, MAX_SINGLE_LAYOUTS, ArrayDescript
 __all__ = [
     "Phase", "EndReason", "ChunkFact", "Layout", "LayoutChoice", "ConnectionState",
     "HelloReceived", "ChunkAnnounced", "ChunkRetired", "ArraysArrived", "EmptyBatch", "LayoutForgotten",
-    "LeasesReleased", "PeerClosed", "PeerRefused", "MAX_CHUNKS",
+    "LeasesReleased", "RingOffered", "PeerClosed", "PeerRefused", "MAX_CHUNKS",
 ]
 
 
@@ -176,6 +176,14 @@ class LeasesReleased:
 
 
 @dataclass(slots=True)
+class RingOffered:
+    """The peer's ``ring`` message (its shared-memory region and eventfd, the two fds that came with it):
+    attach it. ``msg`` is the validated message."""
+
+    msg: dict[str, Any]
+
+
+@dataclass(slots=True)
 class PeerClosed:
     """The peer said ``bye``: the connection is over."""
 
@@ -199,10 +207,13 @@ class ConnectionState:
         phase: where to start: ``Phase.OPEN`` (the handshake is done) or ``Phase.HANDSHAKE``.
         max_chunks: most peer chunks known at once.
         max_layouts, max_single_layouts: layouts each end remembers, batches' and single arrays'.
+        ring: both hellos offered the shared-memory ring: the peer's first message after the handshake
+            must be its ``ring`` (or a ``refuse``); otherwise a ``ring`` message is refused.
     """
 
     def __init__(self, transport: str = "fd", *, phase: Phase = Phase.OPEN, max_chunks: int = MAX_CHUNKS,
-                 max_layouts: int = MAX_LAYOUTS, max_single_layouts: int = MAX_SINGLE_LAYOUTS) -> None:
+                 max_layouts: int = MAX_LAYOUTS, max_single_layouts: int = MAX_SINGLE_LAYOUTS,
+                 ring: bool = False) -> None:
         if transport not in ("fd", "nixl"):
             raise ValueError(f"transport must be 'fd' or 'nixl', got {transport!r}")
         self.transport = transport
@@ -226,6 +237,8 @@ class ConnectionState:
         self.max_chunks = max_chunks
         self.max_layouts = max_layouts
         self.max_single_layouts = max_single_layouts
+        #: The peer's ``ring`` message is due as its first message after the handshake.
+        self.ring_due = ring
         # What this end lent.
         self._announced: set[int] = set()
         self._layouts_sent: dict[Hashable, int] = {}
@@ -418,6 +431,10 @@ class ConnectionState:
                     return [HelloReceived(msg)]
                 if kind != "refuse":
                     raise ProtocolError(f"expected a hello message, got {kind!r}")
+            if self.ring_due or kind == "ring":
+                ring = self._ring(kind, msg, nfds)
+                if ring is not None:
+                    return ring
             if nfds and kind != "chunk":
                 raise ProtocolError(f"the peer's {kind!r} message carried an fd")
             if kind == "chunk":
@@ -429,12 +446,7 @@ class ConnectionState:
             if kind in ("array", "arrays", "repeat"):
                 return self._arrays(kind, msg, descs)
             if kind == "release":
-                tokens = []
-                for lid in msg["leases"]:
-                    if lid not in self._lent:
-                        raise ProtocolError(f"release of unknown lease {lid}")
-                    tokens.append(self._lent.pop(lid))
-                return [LeasesReleased(tuple(msg["leases"]), tuple(tokens))]
+                return [self.peer_released(msg["leases"])]
             if kind == "bye":
                 self._finish(PeerClosedError("the peer closed the channel"))
                 return [PeerClosed()]
@@ -445,6 +457,40 @@ class ConnectionState:
         except ProtocolError as exc:
             self._finish(exc)
             raise
+
+    def peer_released(self, ids: list[int]) -> LeasesReleased:
+        """The peer released these leases of ours (a ``release`` message, or its release ring). Every id is
+        checked before any lease is taken out, so a refused list leaves every lease to :meth:`end`.
+
+        Raises:
+            ProtocolError: an id not lent (never, or released already, or twice in ``ids``); unlike
+                :meth:`receive`, this does not end the connection: the caller does.
+        """
+        lent = self._lent
+        if len(set(ids)) != len(ids) or not all(lid in lent for lid in ids):
+            seen: set[int] = set()
+            for lid in ids:
+                if lid not in lent or lid in seen:
+                    raise ProtocolError(f"release of unknown lease {lid}")
+                seen.add(lid)
+        return LeasesReleased(tuple(ids), tuple(lent.pop(lid) for lid in ids))
+
+    def _ring(self, kind: str, msg: dict[str, Any], nfds: int) -> list[Event] | None:
+        """The ``ring`` rule: the peer's first message after the handshake is its ``ring`` when both
+        offered one (a ``refuse`` may come instead), and there is no ``ring`` otherwise."""
+        if kind == "refuse":
+            self.ring_due = False
+            return None
+        if kind != "ring":
+            raise ProtocolError(f"expected the peer's ring message first, got {kind!r}")
+        if not self.ring_due:
+            raise ProtocolError("a ring message that was not negotiated, or a second one")
+        if self.transport != "fd":
+            raise ProtocolError("a ring message on a tcp:// channel")
+        if nfds != 2:
+            raise ProtocolError(f"a ring message carried {nfds} fd(s), not 2 (memfd, eventfd)")
+        self.ring_due = False
+        return [RingOffered(msg)]
 
     def _check_new(self, cid: int, what: str) -> None:
         if cid in self._chunks:

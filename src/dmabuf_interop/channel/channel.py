@@ -43,6 +43,18 @@ Condition): the other half of the protocol state (phase, leases lent and held, t
 layouts: :meth:`ConnectionState.receive` is called under it), the queue of arrived arrays and the
 :class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
 
+The shared-memory ring (:mod:`._ring`; both ends offered it at the handshake). Its four kinds of calls are
+serialised by the locks above: ``try_push`` (a repeat without meta) under ``_send_lock``, so a slot takes its
+place among the socket messages in the lock's order (it records :attr:`._link.Link.sent`, the messages that went
+out whole before it); ``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
+(:meth:`._reader.Reading._arrived` merges the slots with the socket messages in the peer's order); and
+``push_releases`` and ``take_releases`` under ``_state`` (the importer's releases, from any thread; the exporter
+takes them in its reader after each wake-up and in ``send`` before it places anything). The peer's ``ring``
+message is attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds
+``_send_lock``). Every wait of the reader (the background reader's, and ``recv``'s in its own thread) is a
+``poll`` of the socket and the ring's eventfd, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first
+spin on the ring (:attr:`Channel.spin`).
+
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
 without blocking (the flusher sends it otherwise).
@@ -69,7 +81,8 @@ shuts the socket down (the interrupted call fails at once when the handler retur
 :class:`~..errors.ClosedError`; no ``bye``: the stream may be mid-message) and leaves the end to the
 reader (started if need be) or to the interrupted ``recv``, which runs it once the interrupted call lets go.
 
-fork(). Nothing here runs at fork: a child has none of the channel's threads, and its locks may be
+fork(). Nothing here runs at fork: a child has none of the channel's threads, nor the ring's mappings
+(``MADV_DONTFORK``; its ``close()`` there closes only the fds), and its locks may be
 held by threads that are gone. Channels, pools and NIXL agents record the pid that made them
 (:data:`.._forks.pid`, kept current by an at-fork hook: no ``getpid`` per message). In another process
 ``send``/``recv``/``alloc`` raise :class:`~..errors.ForkedResourceError` naming the owner; ``close()``
@@ -82,14 +95,16 @@ the fork). A child forked after ``cuInit`` cannot use CUDA (:class:`~..errors.Fo
 host pools, and channels that map no device chunk, never initialise CUDA, so a process that forks
 workers should make them before any device pool.
 
-Speed tricks here, measured and load-bearing: the inline release (:data:`RELEASE_GAP`,
-:data:`RELEASE_BATCH`: the exporter reads a release before its next send, not during it); reading in
-the caller's thread on a receive-only channel (no hand-over between threads); notifying ``_state`` only
-when a ``recv`` waits on it; the flusher's own ``Event`` (it never competes with ``recv`` for the GIL).
-Per message, the fork check, the send lock's ``owner`` and the queue bound cost a few attribute reads and
-stores (under a microsecond). The reader polls before it reads when nothing is buffered: a message that
-finds it waiting costs ``poll`` + ``recvmsg`` (it was ``recvmsg`` -> ``EAGAIN``, ``poll``, ``recvmsg``), one
-already waiting a ``poll`` more.
+Speed tricks here, measured and load-bearing: the ring (a repeat without meta costs a slot and, only when the
+peer sleeps, one ``eventfd`` write; a release one ring entry), measured with a host pool on the 2-core CPU
+machine in one process (send, recv, release: 10, 15, 18 us, against 49, 65, 38 us on the socket); the inline
+release (:data:`RELEASE_GAP`, :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not
+during it); reading in the caller's thread on a receive-only channel (no hand-over between threads); notifying
+``_state`` only when a ``recv`` waits on it; the flusher's own ``Event`` (it never competes with ``recv`` for
+the GIL). Per message, the fork check, the send lock's ``owner`` and the queue bound cost a few attribute
+reads and stores (under a microsecond). The reader polls before it reads when nothing is buffered: a message
+that finds it waiting costs ``poll`` + ``recvmsg`` (it was ``recvmsg`` -> ``EAGAIN``, ``poll``, ``recvmsg``),
+one already waiting a ``poll`` more.
 """
 
 from __future__ import annotations
@@ -106,12 +121,15 @@ from typing import Any, Mapping, Sequence
 
 from .. import _forks
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, WaitTimeoutError
+from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError,
+                      WaitTimeoutError)
+from ..fdpass import _broken_send
 from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._link import SEND_TIMEOUT, Link
-from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop
+from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop, _ring_releases
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
+from ._ring import LEASE_LIMIT, RingSlot
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
 from .arrays import device_index
@@ -123,14 +141,28 @@ from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, 
 from .wire import encode_repeat, frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
-           "MAX_QUEUED", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP"]
+           "MAX_QUEUED", "MAX_SPIN", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP", "check_spin"]
 
 #: The most array messages a channel keeps received and not yet taken by ``recv``/``recv_many`` (the
 #: default of :attr:`Channel.max_queued`). Beyond it the reader takes no more arrays from the socket, so
 #: a producer whose consumer stops receiving is pushed back (its ``send`` waits, then times out).
 MAX_QUEUED = 1024
+#: The longest :attr:`Channel.spin`, seconds (a spin is a busy wait: longer is a sleep's job).
+MAX_SPIN = 1.0
+
+
+def check_spin(value: Any) -> float:
+    """A spin (seconds a ``recv`` polls the shared-memory ring before it sleeps): a real in [0, :data:`MAX_SPIN`].
+
+    Raises:
+        InvalidArgumentError: not a real number in that range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= MAX_SPIN:
+        raise InvalidArgumentError(f"spin must be a number of seconds in [0, {MAX_SPIN:g}], got {value!r}")
+    return float(value)
 
 _NAME = operator.attrgetter("name")
+_MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
 _get_ident = threading.get_ident
 
 
@@ -141,6 +173,9 @@ class Channel(Reading):
         share_segments: lend device memory that is already shareable (torch's expandable
             segments: :mod:`.segments`) in place instead of copying it into the pool
             (default ``True``; set it ``False`` to always copy).
+        ring: whether this connection uses the shared-memory ring beside the socket (both ends offered it;
+            :mod:`._ring`): a ``send`` that repeats a layout without ``meta`` goes through it, and releases
+            come back through it.
 
     The rendezvous makes it and gives these arguments; callers do not.
 
@@ -154,16 +189,21 @@ class Channel(Reading):
         carrier: how chunks cross (default: fds, :class:`._carrier.FdCarrier`).
         auto_pools: without ``pool``, the listener's pools made on first need, shared by its channels
             (``None``: the channel's own).
+        rings: this end's shared-memory rings (:class:`._ring.Rings`, owned from now on), whose ``ring``
+            message went out as this end's first after the handshake; ``None``: the socket alone.
+        spin: :attr:`spin`.
     """
 
     share_segments = True
 
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
                  device: int | None = None, ordering: str = "event", carrier: Any = None,
-                 max_queued: int | None = None, auto_pools: Membership | None = None) -> None:
+                 max_queued: int | None = None, auto_pools: Membership | None = None, rings: Any = None,
+                 spin: float = 0.0) -> None:
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         max_queued = MAX_QUEUED if max_queued is None else _check_max_queued(max_queued)
+        self._spin = check_spin(spin)
         self.peer = peer
         self.pool = pool
         self.device = device_index(device, default="own")
@@ -173,15 +213,18 @@ class Channel(Reading):
             self.share_segments = False
         # The limits are read here, from this module, so that a test may make them small.
         self._proto = ConnectionState(self._carrier.transport, max_chunks=MAX_CHUNKS, max_layouts=MAX_LAYOUTS,
-                                      max_single_layouts=MAX_SINGLE_LAYOUTS)
+                                      max_single_layouts=MAX_SINGLE_LAYOUTS, ring=rings is not None)
         self._sock = sock
         # The limit is read here, from this module, so that a test may make it small.
         self._link = Link(sock, self._proto, SEND_TIMEOUT)
+        self._rings = rings
+        if rings is not None:
+            self._link.sent = 1  # the ring message went out in the handshake: socket message 0
         self._send_lock = self._link.lock
         self._weak = weakref.ref(self)  # shared by every Hold, and the reader's only reference (see there)
         self._state = threading.Condition()  # over an RLock: see Note [channel threads and fork]
         self._memos = MemoTable(self._send_lock)
-        self._releases = ReleaseQueue(self._link, self._state, self._proto)
+        self._releases = ReleaseQueue(self._link, self._state, self._proto, rings)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
@@ -191,7 +234,8 @@ class Channel(Reading):
         self._reader: threading.Thread | None = None
         self._owner = _forks.pid  # only this process may use the channel (Note [channel threads and fork])
         self._conn = _Conn(sock, self._frames, self._proto, self._state, self._link, self._releases, self._memos,
-                           self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued)
+                           self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued,
+                           rings=rings)
         self._queue: collections.deque[_Queued] = self._conn.queue
         self._imports: dict[int, Any] = self._conn.imports
         self._layout_views: dict[int, LayoutViews] = self._conn.layout_views
@@ -230,6 +274,30 @@ class Channel(Reading):
             self._conn.max_queued = value
             if self._conn.wake_fd >= 0:
                 os.eventfd_write(self._conn.wake_fd, 1)
+
+    @property
+    def spin(self) -> float:
+        """Seconds a :meth:`recv` / :meth:`recv_many` that finds nothing polls the shared-memory ring (and, every
+        few dozen looks, the socket) before it sleeps in ``poll`` (default 0.0: it sleeps at once). A slot
+        that lands during the spin is taken without the 20-40 us of waking a sleeping thread, but the spinning
+        thread burns one CPU for up to ``spin`` seconds per ``recv`` that waits (a consumer that waits 1 ms
+        between messages with ``spin=0.001`` keeps a core busy). Use it where the consumer has a CPU of its
+        own; it applies where ``recv`` reads in its own thread (a channel that has not sent) and only on a
+        connection with the ring (:attr:`ring`). May be changed; ``recv(spin=)`` overrides it per call.
+
+        Raises:
+            InvalidArgumentError: (setting) not a number of seconds in [0, :data:`MAX_SPIN`].
+        """
+        return self._spin
+
+    @spin.setter
+    def spin(self, value: float) -> None:
+        self._spin = check_spin(value)
+
+    @property
+    def ring(self) -> bool:
+        """Whether this connection uses the shared-memory ring beside its socket (both ends offered it)."""
+        return self._rings is not None
 
     @property
     def protocol_state(self) -> ConnectionState:
@@ -353,6 +421,8 @@ class Channel(Reading):
         deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._proto.over:
             raise self._link.ended()
+        if self._rings is not None and self._rings.attached:
+            self._take_ring_releases()  # the blocks of leases released come back before this one is placed
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
                        batch is not None, self.share_segments, self._auto)
         try:
@@ -375,7 +445,7 @@ class Channel(Reading):
                            "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
             else:
                 self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
-                                 ev64, meta, prep.memo, deadline)
+                                 ev64, meta, prep.memo, deadline, None if prep.event is None else prep.event[1])
         except BaseException:
             with self._state:
                 self._proto.unlend(lease.id)
@@ -384,19 +454,24 @@ class Channel(Reading):
         return lease
 
     def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
-                    meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None) -> None:
+                    meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,
+                    event: bytes | None = None) -> None:
         """Send an ``arrays`` message (``mapping`` true or false), or an ``array`` message (``mapping``
         None: one remembered array), defining a layout, or a ``repeat`` of one the peer already has: the
         same names in the same blocks with the same shapes, strides and dtypes (a model's state dict
         sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
         placement came from it (a repeat of its layout) or is to be remembered in it. ``deadline``: by when
-        the message must begin to leave (``None``: :data:`SEND_TIMEOUT`)."""
+        the message must begin to leave (``None``: :data:`SEND_TIMEOUT`). ``event``: the raw handle ``ev64``
+        encodes. A repeat without ``meta`` goes through the shared-memory ring when it has room
+        (:meth:`_push`), else by the socket."""
         link = self._link
         if memo is not None:
             if not link.acquire(link.wait_for(deadline)):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
                 if self._memos.is_current(memo):
+                    if meta is None and self._rings is not None and self._push(lease_id, memo.layout, order, event):
+                        return
                     link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
                                      timeout=link.wait_for(deadline))
                     return
@@ -413,6 +488,8 @@ class Channel(Reading):
             if not choice.define:
                 if memo is not None:
                     self._memos.remember(memo, choice.id)
+                if meta is None and self._rings is not None and self._push(lease_id, choice.id, order, event):
+                    return
                 link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
@@ -435,6 +512,32 @@ class Channel(Reading):
         finally:
             link.release()
 
+    def _push(self, lease_id: int, layout: int, order: str, event: bytes | None) -> bool:
+        """(Under the send lock.) Publish a repeat in the ring, after the :attr:`._link.Link.sent` socket
+        messages that went out before it (the peer handles it between those and the next); False: the ring
+        is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket."""
+        link = self._link
+        if not self._proto.can_send or link.sock in _broken_send:
+            raise link.ended()
+        if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
+            return False  # (past what a slot holds: by the socket)
+        return self._rings.try_push(RingSlot(link.sent, lease_id, layout, order, event))
+
+    def _take_ring_releases(self) -> None:
+        """Complete the leases the peer released through its release ring. A forged one (an id not lent) ends
+        the connection: the reader sees the shutdown and ends it with the ProtocolError kept as its cause.
+
+        Raises:
+            PeerClosedError: the peer broke the protocol in its release ring (the connection is ending).
+        """
+        try:
+            _ring_releases(self._conn)
+        except ProtocolError as exc:
+            with self._state:
+                self._proto.fail(exc)
+            shut_down(self._sock)
+            raise self._link.ended() from exc
+
     @property
     def outstanding(self) -> int:
         """Leases lent on this channel and not yet released."""
@@ -443,13 +546,15 @@ class Channel(Reading):
 
     # --- receiving ------------------------------------------------------------------
 
-    def recv(self, timeout: float | None = 60.0, *, stream: Any = None) -> Received:
+    def recv(self, timeout: float | None = 60.0, *, stream: Any = None, spin: float | None = None) -> Received:
         """The next array from the peer.
 
         Args:
             timeout: seconds to wait (``None``: forever).
             stream: device pools: the stream that will read the array; it is made to wait for the
                 producer's event (``cuStreamWaitEvent``). ``None``: the legacy default stream.
+            spin: seconds to poll the shared-memory ring before sleeping (default :attr:`spin`; see there
+                for its CPU cost).
 
         Raises:
             WaitTimeoutError: nothing within ``timeout``.
@@ -458,20 +563,22 @@ class Channel(Reading):
             PeerClosedError: the peer has gone (arrays it sent before are delivered first).
             ProtocolError: the peer broke the protocol, or stopped in the middle of a message for
                 :data:`.wire.REST_TIMEOUT` seconds (the connection was closed).
-            InvalidArgumentError: the next message is a batch (use :meth:`recv_many`).
+            InvalidArgumentError: the next message is a batch (use :meth:`recv_many`); ``spin`` out of range.
         """
         h = stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        q = self._next(timeout, want_batch=False)
+        q = self._next(timeout, False, self._spin if spin is None else check_spin(spin))
         ev = q.event
         return self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)[0]
 
-    def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None) -> dict[str, Received] | list[Received]:
+    def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None,
+                  spin: float | None = None) -> dict[str, Received] | list[Received]:
         """The next ``send_many`` batch: a dict by name (for a mapping) or a list; a single array as a list of one.
+        Arguments as :meth:`recv`.
 
         Raises: as :meth:`recv`.
         """
         h = stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        q = self._next(timeout, want_batch=True)
+        q = self._next(timeout, True, self._spin if spin is None else check_spin(spin))
         ev = q.event
         out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)
         if len(out) > 1 and out[0].device >= 0:
@@ -585,6 +692,8 @@ class Channel(Reading):
         except OSError:
             pass
         self._frames.discard()
+        if self._rings is not None:
+            self._rings.close()  # (inherited: only this process's copies of its fds; no mapping came with fork)
 
     @property
     def closed(self) -> bool:

@@ -1,7 +1,7 @@
 """How every channel connection begins, local (:mod:`.rendezvous`) or ``tcp://`` (:mod:`.remote`).
 
 ``hello`` carries the protocol and library versions, the kernel's boot id, the
-GPUs this process sees and its pid; ``refuse`` carries the reason a side will
+GPUs this process sees, its pid and the shared-memory ring it offers (local channels only); ``refuse`` carries the reason a side will
 not go on, after which it closes the connection. :class:`ListenerBase` is what
 both kinds of listener share: the accept loop, the handshakes in flight, and closing.
 
@@ -73,12 +73,13 @@ _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 log = logging.getLogger("dmabuf_interop.channel")
 
 
-def hello(overrides: dict[str, Any] | None, gpus: list[str]) -> dict[str, Any]:
-    """This side's ``hello`` (``overrides`` replace fields, for tests of the refusals)."""
+def hello(overrides: dict[str, Any] | None, gpus: list[str], ring: int | None = None) -> dict[str, Any]:
+    """This side's ``hello`` (``overrides`` replace fields, for tests of the refusals); ``ring``: the
+    shared-memory ring format this side offers (:data:`._ring.RING_VERSION`), or ``None``."""
     from .. import __version__
 
     msg = {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": __version__,
-           "boot_id": host_boot_id(), "gpus": gpus, "pid": os.getpid()}
+           "boot_id": host_boot_id(), "gpus": gpus, "pid": os.getpid(), "ring": ring}
     if overrides:
         msg.update(overrides)
     return msg

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProtocolError
+from ._ring import check_offer
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -44,9 +45,10 @@ __all__ = [
 #: Bumped on any incompatible change of the messages below (2: ``arrays`` may define a ``layout``,
 #: and ``repeat`` lends the arrays of one again; 3: a ``chunk`` lists its ``parts``; 4: an ``array``
 #: may define a layout too, and its ``repeat`` arrives as one array; 5: the float8 kinds, ``complex32``
-#: and ``float4_e2m1fn_x2`` are dtypes, and a descriptor may name 64 dimensions). A peer of another
-#: version is refused at the handshake, so neither end ever meets a dtype name it does not know.
-PROTOCOL_VERSION = 5
+#: and ``float4_e2m1fn_x2`` are dtypes, and a descriptor may name 64 dimensions; 6: ``hello`` offers a
+#: shared-memory ``ring``, and a ``ring`` message sets it up). A peer of another version is refused at the
+#: handshake, so neither end ever meets a dtype name it does not know.
+PROTOCOL_VERSION = 6
 
 # The limits. Both ends read them from here: the receiver refuses a message past one (ProtocolError,
 # the connection ends), so the sender checks the same limit first and refuses the call
@@ -315,9 +317,14 @@ def _check_meta(meta: Any) -> None:
 
 # --- messages ---------------------------------------------------------------------
 
+_HELLO = frozenset({"kind", "protocol", "library", "boot_id", "gpus", "pid", "ring"})
+
+
 def _check_hello(msg: dict[str, Any]) -> None:
-    _keys(msg, {"kind", "protocol", "library", "boot_id", "gpus", "pid"}, "hello message")
+    _keys(msg, _HELLO, "hello message")
     _int(msg, "protocol", 0, 1 << 31)
+    if msg["ring"] is not None:
+        _int(msg, "ring", 1, 1 << 31)
     _str(msg, "library", 64)
     _str(msg, "boot_id", 64)
     _int(msg, "pid", 0, 1 << 31)
@@ -398,8 +405,8 @@ _NO_EVENT = ("none", "sync")
 def parse_message(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
     """Validate one decoded message; returns its kind and, for array messages, the descriptors.
 
-    Kinds: ``hello``, ``refuse``, ``chunk``, ``retire``, ``array``, ``arrays``, ``repeat``, ``release``,
-    ``bye``. A ``repeat`` names a layout that only the channel knows: it returns no descriptors.
+    Kinds: ``hello``, ``refuse``, ``ring``, ``chunk``, ``retire``, ``array``, ``arrays``, ``repeat``,
+    ``release``, ``bye``. A ``repeat`` names a layout that only the channel knows: it returns no descriptors.
 
     Raises:
         ProtocolError: an unknown kind or any malformed field.
@@ -453,6 +460,8 @@ def _parse_general(msg: Any) -> tuple[str, list[ArrayDescriptor]]:
         _check_ids(msg, "leases", "release")
     elif kind == "bye":
         _keys(msg, {"kind"}, "bye message")
+    elif kind == "ring":
+        check_offer(msg)  # (the ring's own rules: version, power-of-two lengths, the region's size)
     else:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return kind, []

@@ -7,9 +7,12 @@ stale one is replaced under ``flock`` of its directory) or a Linux abstract name
 connector's ``SO_PEERCRED`` check catches). Every accepted connection is
 checked with ``SO_PEERCRED`` before a byte is read from it, then both sides
 exchange a JSON ``hello`` (protocol and library versions, visible GPUs, the
-kernel's boot id), in a handshake thread of the listener's (Note [concurrent handshakes] in
-:mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
-closes; the refused side raises :class:`~..errors.PeerRefusedError`.
+kernel's boot id, the shared-memory ring offered), in a handshake thread of the listener's (Note
+[concurrent handshakes] in :mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
+closes; the refused side raises :class:`~..errors.PeerRefusedError`. When both hellos offer the ring, each
+side sends its ``ring`` message (:mod:`._ring`: the region's memfd and the eventfd, by ``SCM_RIGHTS``) as
+its first message after the handshake, then reads and attaches the peer's before it hands the channel out
+(``connect`` returns, ``accept`` sees it): a channel holds every fd of its connection from the start.
 """
 
 from __future__ import annotations
@@ -27,17 +30,23 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import AddressInUseError, InvalidArgumentError, PeerRefusedError, SyscallError, WaitTimeoutError
+from ..errors import (AddressInUseError, DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError,
+                      SyscallError, WaitTimeoutError)
+from ..fdpass import send_message
 from ._autopool import Membership, join
-from .channel import Channel, PeerInfo
-from .handshake import HANDSHAKE_TIMEOUT, ListenerBase, hello, recv_hello, refuse
+from ._ring import RING_VERSION, Rings, ring_unavailable
+from .channel import Channel, PeerInfo, check_spin
+from .handshake import HANDSHAKE_TIMEOUT, ListenerBase, hello, log, recv_hello, refuse
 from .pool import SharedPool
 from .protocol import visible_gpu_uuids
-from .wire import send_frame, shut_down
+from .wire import MAX_FRAME, send_frame, shut_down
 
 __all__ = ["listen", "connect", "Listener"]
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: Message slots and release slots of each channel's ring (read when a ring is made, so a test may make them small).
+RING_SLOTS = 256
+RING_RELEASE_SLOTS = 1024
 
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
@@ -86,6 +95,58 @@ def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
         return (f"peer is on another host (boot id {theirs['boot_id']!r}, ours {mine['boot_id']!r}): "
                 f"fds and shared memory cannot cross hosts")
     return None
+
+
+def _new_rings(wanted: bool) -> Rings | None:
+    """This side's shared-memory rings to offer (``None``: not wanted, not available here, or they could not
+    be made: then the hello offers none and the channel uses the socket alone)."""
+    if not wanted:
+        return None
+    why = ring_unavailable()
+    if why is not None:
+        log.debug("no shared-memory ring offered: %s", why)
+        return None
+    try:
+        return Rings(RING_SLOTS, RING_RELEASE_SLOTS)
+    except (DmaBufError, OSError) as exc:  # out of fds or memory: the socket alone still works
+        log.debug("no shared-memory ring offered: %s", exc)
+        return None
+
+
+def _agree_ring(rings: Rings | None, mine: dict[str, Any], theirs: dict[str, Any]) -> Rings | None:
+    """The rings to use: both hellos offered :data:`._ring.RING_VERSION` (else ``rings`` is closed)."""
+    if rings is not None and not (mine["ring"] == theirs["ring"] == RING_VERSION):
+        rings.close()
+        return None
+    return rings
+
+
+def _ready(ch: Channel, deadline: float | None) -> Channel:
+    """``ch`` once the peer's ``ring`` message is read and attached (when the ring was agreed): the
+    handshake's last step, so that the channel holds every fd of its connection when it is handed out and
+    its first repeat and release can take the ring. Closes ``ch`` when that fails.
+
+    Raises:
+        WaitTimeoutError: the peer's ring message did not come by ``deadline``.
+    """
+    if ch.ring:
+        try:
+            ch._attach_peer_ring(deadline)
+        except BaseException:
+            ch.close(0.0)
+            raise
+    return ch
+
+
+def _offer_ring(sock: socket.socket, rings: Rings, timeout: float | None) -> None:
+    """Send this side's ``ring`` message with its fds (memfd, eventfd): the first message after the handshake.
+    A peer that has gone already (it may close as soon as its own side of the handshake is done) is not an
+    error here: the channel is made all the same and sees the end at once, as it would without a ring."""
+    msg, fds = rings.offer()
+    try:
+        send_message(sock, msg, fds, timeout=timeout, max_bytes=MAX_FRAME)
+    except PeerClosedError:
+        pass
 
 
 @dataclass(slots=True)
@@ -187,6 +248,8 @@ class _Local:
     device: int | None
     hello_overrides: dict[str, Any] | None
     auto: Membership | None  # the listener's pools made on first need, shared by its channels
+    ring: bool = True
+    spin: float = 0.0
 
     def handshake(self, conn: socket.socket, deadline: float | None) -> Channel:
         pid, uid, gid = peer_credentials(conn)
@@ -196,16 +259,26 @@ class _Local:
                       f", gids {sorted(self.allow_gids) if self.allow_gids else []}")
             refuse(conn, reason)
             raise PeerRefusedError(f"refused a connection: {reason}")
-        mine = hello(self.hello_overrides, visible_gpu_uuids())
-        send_frame(conn, mine, timeout=remaining(deadline))
-        theirs = recv_hello(conn, remaining(deadline))
-        why = _check_hello(mine, theirs)
-        if why is not None:
-            refuse(conn, why)
-            raise PeerRefusedError(f"refused a connection from pid {pid}: {why}")
-        peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-        return Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering,
-                       auto_pools=self.auto)
+        rings = _new_rings(self.ring)
+        try:
+            mine = hello(self.hello_overrides, visible_gpu_uuids(), RING_VERSION if rings is not None else None)
+            send_frame(conn, mine, timeout=remaining(deadline))
+            theirs = recv_hello(conn, remaining(deadline))
+            why = _check_hello(mine, theirs)
+            if why is not None:
+                refuse(conn, why)
+                raise PeerRefusedError(f"refused a connection from pid {pid}: {why}")
+            rings = _agree_ring(rings, mine, theirs)
+            if rings is not None:
+                _offer_ring(conn, rings, remaining(deadline))
+            peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
+            ch = Channel(conn, peer, pool=self.pool, device=self.device, ordering=self.ordering,
+                         auto_pools=self.auto, rings=rings, spin=self.spin)
+        except BaseException:
+            if rings is not None:
+                rings.close()
+            raise
+        return _ready(ch, deadline)  # (the channel owns the rings now)
 
 
 class Listener(ListenerBase):
@@ -219,10 +292,11 @@ class Listener(ListenerBase):
     def __init__(self, sock: socket.socket, address: str, place: _Place | None, *, pool: SharedPool | None,
                  allow_uids: Iterable[int] | None, allow_gids: Iterable[int] | None, ordering: str,
                  device: int | None, hello_overrides: dict[str, Any] | None,
-                 handshake_timeout: float | None = HANDSHAKE_TIMEOUT) -> None:
+                 handshake_timeout: float | None = HANDSHAKE_TIMEOUT, ring: bool = True, spin: float = 0.0) -> None:
         self.pool = pool
         local = _Local(address, pool, None if allow_uids is None else frozenset(allow_uids),
-                       None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides, None)
+                       None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides, None,
+                       bool(ring), spin)
         self._auto = local.auto = join(self) if pool is None else None  # pools made on first need (_autopool)
         cleanup = None if place is None else functools.partial(_unlink_if_ours, place)
         self._start(sock, address, local.handshake, _describe_local, handshake_timeout, cleanup)
@@ -262,7 +336,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
            allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
            ordering: str = "event", device: int | None = None, backlog: int = 64,
            hello_overrides: dict[str, Any] | None = None, handshake_timeout: float | None = HANDSHAKE_TIMEOUT,
-           **remote: Any) -> Listener:
+           ring: bool = True, spin: float = 0.0, **remote: Any) -> Listener:
     """Listen for channel consumers on ``address`` (``socket(AF_UNIX, SOCK_STREAM)``, ``bind``, ``listen``).
 
     ``"tcp://HOST:PORT"`` listens for consumers on other hosts instead (NIXL; ``token=`` /
@@ -282,6 +356,9 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         hello_overrides: fields replacing this side's ``hello`` (tests use it to
             fake another protocol version or host).
         handshake_timeout: seconds each accepted connection has to complete its handshake (``None``: no limit).
+        ring: offer the shared-memory ring (:mod:`._ring`) to each consumer: used when the consumer offers it
+            too; not offered where :func:`._ring.ring_unavailable` gives a reason (then the socket alone is used).
+        spin: each channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps).
 
     Raises:
         AddressInUseError: another listener holds the address (a live socket answered, or ``bind`` lost a
@@ -291,6 +368,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+    spin = check_spin(spin)
     if _remote(address, remote):
         from .remote import listen_remote
 
@@ -303,7 +381,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         sock = _bind(addr, shown, backlog, None)
         return Listener(sock, shown, None, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
                         ordering=ordering, device=device, hello_overrides=hello_overrides,
-                        handshake_timeout=handshake_timeout)
+                        handshake_timeout=handshake_timeout, ring=ring, spin=spin)
     dirname, name = os.path.split(addr)
     if not name:
         raise InvalidArgumentError(f"address {shown!r} names a directory, not a socket file")
@@ -316,7 +394,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
             sock = _bind(addr, shown, backlog, place)
         return Listener(sock, shown, place, pool=pool, allow_uids=allow_uids, allow_gids=allow_gids,
                         ordering=ordering, device=device, hello_overrides=hello_overrides,
-                        handshake_timeout=handshake_timeout)
+                        handshake_timeout=handshake_timeout, ring=ring, spin=spin)
     except BaseException:
         if sock is None:
             os.close(place.dir_fd)
@@ -424,7 +502,7 @@ def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: fl
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
             device: int | None = None, ordering: str = "event", allow_uids: Iterable[int] | None = None,
             allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None,
-            wait: bool = False, **remote: Any) -> Channel:
+            wait: bool = False, ring: bool = True, spin: float = 0.0, **remote: Any) -> Channel:
     """Connect to a :func:`listen` address and complete the handshake.
 
     ``"tcp://HOST:PORT"`` connects to a listener on another host (NIXL; ``token=`` /
@@ -443,6 +521,9 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         wait: while nothing listens at a local address (``ENOENT``, ``ECONNREFUSED``), try again
             every 50 ms within ``timeout``: for a consumer started before its producer. (A full listen
             backlog, ``EAGAIN``, is retried within ``timeout`` with or without ``wait``.)
+        ring: offer the shared-memory ring (:mod:`._ring`): used when the listener offers it too; not offered
+            where :func:`._ring.ring_unavailable` gives a reason (then the socket alone is used).
+        spin: the channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps).
 
     Raises:
         SyscallError: ``socket`` or ``connect`` failed (``ENOENT``, ``ECONNREFUSED``: nobody listens).
@@ -455,6 +536,7 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
     deadline = deadline_after(timeout)  # also checks it: a number of seconds >= 0, or None
+    spin = check_spin(spin)
     if _remote(address, remote):
         if wait:
             raise InvalidArgumentError("wait= is for local addresses; a tcp:// connect fails at once")
@@ -463,6 +545,7 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         return connect_remote(address, timeout=timeout, pool=pool, device=device, **remote)
     addr, _ = _sockaddr(address)
     sock = _connect_socket(addr, address, deadline, timeout, wait)
+    rings = None
     try:
         sock.settimeout(None)
         pid, uid, gid = peer_credentials(sock)
@@ -475,14 +558,26 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             why = f"the listener on {address!r} runs as uid {uid} (gid {gid}, pid {pid}), which is not allowed"
             refuse(sock, why)
             raise PeerRefusedError(why)
-        mine = hello(hello_overrides, visible_gpu_uuids(initialise=device is not None))
+        rings = _new_rings(ring and theirs["ring"] == RING_VERSION)
+        mine = hello(hello_overrides, visible_gpu_uuids(initialise=device is not None),
+                     RING_VERSION if rings is not None else None)
         why = _check_hello(mine, theirs)
         if why is not None:
             refuse(sock, why)
             raise PeerRefusedError(why)
         send_frame(sock, mine)
+        rings = _agree_ring(rings, mine, theirs)
+        if rings is not None:
+            _offer_ring(sock, rings, remaining(deadline))
     except BaseException:
+        if rings is not None:
+            rings.close()
         sock.close()
         raise
     peer = PeerInfo(pid, uid, gid, tuple(theirs["gpus"]), theirs["library"])
-    return Channel(sock, peer, pool=pool, device=device, ordering=ordering)
+    ch = Channel(sock, peer, pool=pool, device=device, ordering=ordering, rings=rings, spin=spin)
+    try:
+        return _ready(ch, deadline)
+    except WaitTimeoutError as exc:
+        raise WaitTimeoutError(f"connected to {str(address)!r}, but the listener's ring message did not come "
+                               f"within {timeout} s") from exc

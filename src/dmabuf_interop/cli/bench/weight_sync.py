@@ -209,6 +209,7 @@ def _trainer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket
 
 def _engine(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
     from ...channel import connect, release_all
+    from ...errors import PeerClosedError
 
     host = cfg["host"]
     be: Any = _Numpy() if host else _Torch(cfg["devices"][1])
@@ -259,6 +260,13 @@ def _engine(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.socket
                 out["memory"][variant].update(free_after=be.memory(), fds_after=_fd_count(),
                                               cpu_ms_per_step=round((time.process_time() - cpu0) * 1e3 / cfg["reps"],
                                                                     3))
+        # The trainer closes first: its last fd count must see its channel whole, not one this end ended.
+        try:
+            ch.recv(timeout=cfg["timeout"])
+        except PeerClosedError:
+            pass
+        else:
+            raise RuntimeError("the trainer sent more than its steps")
     return out
 
 

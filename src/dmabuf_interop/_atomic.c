@@ -1,0 +1,367 @@
+/* dmabuf_interop._atomic: 64-bit atomic loads and stores on shared memory, and the mapping they act on.
+ *
+ * The channel's shared-memory ring (channel/_ring.py) publishes a slot with a release store and reads it after
+ * an acquire load; its sleep/wake hand-shake needs a store-load order that only sequentially consistent
+ * operations give. Pure Python cannot ask for either on aarch64 (weakly ordered), so these few functions do,
+ * with GCC's __atomic builtins: on x86-64 a load-acquire or store-release is a plain MOV and seq_cst store an
+ * XCHG; on aarch64 they are LDAR / STLR (and seq_cst the same pair, which is RCsc: an STLR followed by an
+ * LDAR is never reordered).
+ *
+ *   load(buf, off) -> int             acquire load of the u64 at buf[off]      (buf may be read-only)
+ *   store(buf, off, value)            release store                            (buf writable)
+ *   load_seq(buf, off) -> int         seq_cst load
+ *   store_seq(buf, off, value)        seq_cst store
+ *   publish(buf, off, data)           copy data[8:] to buf[off+8:], then release-store data[0:8] at buf[off]
+ *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
+ *                                     and only in the process that mapped it
+ *
+ * Every offset is checked: off >= 0, off + 8 (or + len(data)) <= len(buf), and the address 8-byte aligned
+ * (ValueError otherwise); a store into a read-only buffer is a TypeError. Values are native u64; the ring's
+ * format is little-endian, so the module refuses to build on a big-endian target.
+ *
+ * Why Mapping and not Python's mmap: a mapping made with MADV_DONTFORK is absent from a forked child, but a
+ * Python mmap object inherited by the child still munmaps its address when it is closed or collected, and by
+ * then the child may have mapped something else there; before Python 3.13 it also holds a duplicate of the fd
+ * that nobody can close. Mapping keeps no fd and never munmaps in a process other than the one that mapped.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the ring's format is little-endian: this module supports little-endian targets only"
+#endif
+
+/* Borrow buf's bytes [off, off + need) as an aligned u64 pointer; fills *view (release it after). */
+static uint64_t *
+at(PyObject *buf, PyObject *offobj, Py_ssize_t need, int writable, Py_buffer *view)
+{
+    Py_ssize_t off = PyLong_AsSsize_t(offobj);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(buf, view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (writable && view->readonly) {
+        PyErr_SetString(PyExc_TypeError, "a store needs a writable buffer");
+        goto fail;
+    }
+    if (off < 0 || need > view->len || off > view->len - need) {
+        PyErr_Format(PyExc_ValueError, "offset %zd (+%zd bytes) outside a buffer of %zd bytes", off, need,
+                     view->len);
+        goto fail;
+    }
+    char *p = (char *)view->buf + off;
+    if (((uintptr_t)p & 7) != 0) {
+        PyErr_Format(PyExc_ValueError, "offset %zd is not 8-byte aligned in memory", off);
+        goto fail;
+    }
+    return (uint64_t *)p;
+fail:
+    PyBuffer_Release(view);
+    return NULL;
+}
+
+static int
+nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs == want)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+    return 0;
+}
+
+/* Loads and stores use METH_FASTCALL: no argument tuple (they run on every hand-off). */
+static PyObject *
+do_load(PyObject *const *args, Py_ssize_t nargs, const char *name, int order)
+{
+    Py_buffer view;
+    if (!nargs_ok(nargs, 2, name))
+        return NULL;
+    uint64_t *p = at(args[0], args[1], 8, 0, &view);
+    if (p == NULL)
+        return NULL;
+    uint64_t v = __atomic_load_n(p, order);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *
+do_store(PyObject *const *args, Py_ssize_t nargs, const char *name, int order)
+{
+    Py_buffer view;
+    if (!nargs_ok(nargs, 3, name))
+        return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]); /* OverflowError: < 0 or >= 2**64 */
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t *p = at(args[0], args[1], 8, 1, &view);
+    if (p == NULL)
+        return NULL;
+    __atomic_store_n(p, (uint64_t)v, order);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+/* Acquire: the reader's later reads (a slot, a release entry) see everything the writer stored before its
+ * matching release store of the counter. */
+static PyObject *
+load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_load(args, nargs, "load", __ATOMIC_ACQUIRE);
+}
+
+/* Release: everything this thread stored before (a slot, release entries) is visible to a reader that
+ * load-acquires the value; and a consumer's head is stored only after its copy of the slot is taken. */
+static PyObject *
+store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_store(args, nargs, "store", __ATOMIC_RELEASE);
+}
+
+/* seq_cst, the sleep/wake hand-shake (Dekker's pattern): the writer stores its tail then loads the peer's
+ * "asleep"; the sleeper stores "asleep" then loads the writer's tail. Acquire/release would let each load be
+ * satisfied before the other side's store (store-load reordering), both would miss, and the wake-up would be
+ * lost; in the single total order of seq_cst operations at least one of them sees the other's store. */
+static PyObject *
+load_seq(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_load(args, nargs, "load_seq", __ATOMIC_SEQ_CST);
+}
+
+static PyObject *
+store_seq(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return do_store(args, nargs, "store_seq", __ATOMIC_SEQ_CST);
+}
+
+/* A slot: its body first (plain copies), then its seq with a release store, so a reader that sees the new seq
+ * (or the tail stored after it) sees the whole body. */
+static PyObject *
+publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view, data;
+    if (!nargs_ok(nargs, 3, "publish"))
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (data.len < 8) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "publish: data must hold at least its 8-byte seq");
+        return NULL;
+    }
+    uint64_t *p = at(args[0], args[1], data.len, 1, &view);
+    if (p == NULL) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    uint64_t seq;
+    memcpy(&seq, data.buf, 8);
+    memcpy((char *)p + 8, (const char *)data.buf + 8, (size_t)data.len - 8);
+    __atomic_store_n(p, seq, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+/* --- Mapping ----------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    char *addr;          /* NULL once closed */
+    Py_ssize_t size;
+    int readonly;
+    pid_t pid;           /* the process that mapped it: the only one that may munmap */
+    Py_ssize_t exports;  /* buffers handed out and not released */
+} Mapping;
+
+/* Forget the mapping; munmap only in the process that made it (in a forked child the range is not mapped:
+ * MADV_DONTFORK, and something else of the child's may live there now). */
+static int
+mapping_drop(Mapping *self)
+{
+    char *addr = self->addr;
+    self->addr = NULL;
+    if (addr != NULL && getpid() == self->pid && munmap(addr, (size_t)self->size) != 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *
+mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "size", "writable", NULL};
+    int fd, writable = 0;
+    Py_ssize_t size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "in|p:Mapping", kwlist, &fd, &size, &writable))
+        return NULL;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Mapping: size must be positive");
+        return NULL;
+    }
+    Mapping *self = (Mapping *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    void *addr;
+    Py_BEGIN_ALLOW_THREADS
+    addr = mmap(NULL, (size_t)size, prot, MAP_SHARED, fd, 0);
+    Py_END_ALLOW_THREADS
+    if (addr == MAP_FAILED) {
+        Py_DECREF(self);
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, "mmap");
+    }
+    if (madvise(addr, (size_t)size, MADV_DONTFORK) != 0) {
+        int err = errno;
+        munmap(addr, (size_t)size);
+        Py_DECREF(self);
+        errno = err;
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, "madvise");
+    }
+    self->addr = addr;
+    self->size = size;
+    self->readonly = !writable;
+    self->pid = getpid();
+    return (PyObject *)self;
+}
+
+static void
+mapping_dealloc(Mapping *self)
+{
+    mapping_drop(self); /* nothing to report from a destructor */
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+mapping_close(Mapping *self, PyObject *unused)
+{
+    if (self->exports > 0) {
+        PyErr_SetString(PyExc_BufferError, "Mapping.close: a buffer of it is still in use");
+        return NULL;
+    }
+    if (mapping_drop(self) < 0)
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, "munmap");
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mapping_closed(Mapping *self, void *unused)
+{
+    return PyBool_FromLong(self->addr == NULL);
+}
+
+static PyObject *
+mapping_readonly(Mapping *self, void *unused)
+{
+    return PyBool_FromLong(self->readonly);
+}
+
+static Py_ssize_t
+mapping_len(Mapping *self)
+{
+    return self->addr == NULL ? 0 : self->size;
+}
+
+static int
+mapping_getbuffer(Mapping *self, Py_buffer *view, int flags)
+{
+    if (self->addr == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Mapping is closed");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->size, self->readonly, flags) < 0) {
+        view->obj = NULL; /* a writable buffer of a read-only mapping: BufferError */
+        return -1;
+    }
+    self->exports++;
+    return 0;
+}
+
+static void
+mapping_releasebuffer(Mapping *self, Py_buffer *view)
+{
+    self->exports--;
+}
+
+static PyMethodDef mapping_methods[] = {
+    {"close", (PyCFunction)mapping_close, METH_NOARGS,
+     "Unmap (munmap) in the process that mapped it; in another (a forked child) only forget it. Idempotent.\n"
+     "Raises BufferError while a memoryview of it is alive, OSError if munmap fails."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef mapping_getset[] = {
+    {"closed", (getter)mapping_closed, NULL, "True once closed.", NULL},
+    {"readonly", (getter)mapping_readonly, NULL, "True when mapped PROT_READ only.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods mapping_as_sequence = {.sq_length = (lenfunc)mapping_len};
+
+static PyBufferProcs mapping_as_buffer = {
+    .bf_getbuffer = (getbufferproc)mapping_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)mapping_releasebuffer,
+};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dmabuf_interop._atomic.Mapping",
+    .tp_doc = "Mapping(fd, size, writable=False): mmap(NULL, size, PROT_READ[|PROT_WRITE], MAP_SHARED, fd, 0)\n"
+              "with madvise(MADV_DONTFORK); a buffer (read-only unless writable). Holds no fd.\n"
+              "Raises OSError (filename 'mmap' or 'madvise') with the errno.",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = mapping_new,
+    .tp_dealloc = (destructor)mapping_dealloc,
+    .tp_methods = mapping_methods,
+    .tp_getset = mapping_getset,
+    .tp_as_sequence = &mapping_as_sequence,
+    .tp_as_buffer = &mapping_as_buffer,
+};
+
+/* --- module ------------------------------------------------------------------------------------------------ */
+
+static PyMethodDef methods[] = {
+    {"load", (PyCFunction)(void (*)(void))load, METH_FASTCALL,
+     "load(buf, off) -> int: acquire load of the native u64 at buf[off] (8-byte aligned; buf may be read-only)."},
+    {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL,
+     "store(buf, off, value): release store of a u64 at buf[off] (8-byte aligned; buf writable)."},
+    {"load_seq", (PyCFunction)(void (*)(void))load_seq, METH_FASTCALL,
+     "load_seq(buf, off) -> int: sequentially consistent load of the u64 at buf[off]."},
+    {"store_seq", (PyCFunction)(void (*)(void))store_seq, METH_FASTCALL,
+     "store_seq(buf, off, value): sequentially consistent store of a u64 at buf[off]."},
+    {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL,
+     "publish(buf, off, data): copy data[8:] to buf[off+8:], then release-store the u64 data[0:8] at buf[off]."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dmabuf_interop._atomic",
+    .m_doc = "Acquire/release and seq_cst u64 loads and stores on shared memory, and Mapping (mmap with "
+             "MADV_DONTFORK), for the channel's shared-memory ring.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__atomic(void)
+{
+    if (PyType_Ready(&MappingType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&MappingType);
+    if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0) {
+        Py_DECREF(&MappingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,731 @@
+"""The shared-memory ring beside a channel's socket (CPU, host pools): negotiation, the order of ring slots and
+socket messages, a full ring falling back to the socket, peers that speak only the socket, lost wake-ups between
+two processes, forged ring messages, slots and releases, the peer's death, fork, spin and the queue bound.
+
+Real sockets, forks, fds and processes; a forged peer is a raw socket that speaks the protocol by hand, with a
+real :class:`~dmabuf_interop.channel._ring.Rings` where it needs a sound region to forge inside.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from dmabuf_interop import fdpass
+from dmabuf_interop.channel import SharedPool, connect, listen
+from dmabuf_interop.channel import rendezvous
+from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings
+from dmabuf_interop.channel.protocol import PROTOCOL_VERSION, host_boot_id
+from dmabuf_interop.channel.wire import recv_frame, send_frame
+from dmabuf_interop.errors import ForkedResourceError, InvalidArgumentError, ProtocolError, WaitTimeoutError
+from tests.helpers.bounded import bounded, child, error, reap, result
+from tests.helpers.channels import connect_in_thread
+
+pytestmark = pytest.mark.ring
+
+
+def _pair(addr: str, pool: SharedPool | None, listen_ring: bool = True, connect_ring: bool = True,
+          **connect_kw: Any) -> tuple[Any, Any, Any]:
+    lst = listen(addr, pool=pool, ring=listen_ring)
+    t, out = connect_in_thread(addr, timeout=5, ring=connect_ring, **connect_kw)
+    prod = lst.accept(timeout=5)
+    t.join(5)
+    assert out.get("ok"), out
+    return lst, prod, out["channel"]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --- order ------------------------------------------------------------------------------------------------
+
+
+class _Script:
+    """A producer's mixed stream: repeats of a ring of blocks without meta (the ring) and with meta (the socket),
+    copies into new blocks (no layout), batches defined then repeated, arrays in chunks announced on first use
+    and retired once idle. Every message carries its number in its first element: the consumer checks the order."""
+
+    def __init__(self, pool: SharedPool, spare: SharedPool, n: int, seed: int) -> None:
+        self.pool, self.spare, self.n = pool, spare, n
+        self.rng = random.Random(seed)
+        self.blocks = [pool.empty(16, "int64") for _ in range(6)]
+        self.pairs = [(pool.empty(4, "int64"), pool.empty(4, "int64")) for _ in range(2)]
+        self.leases: dict[int, Any] = {}
+
+    def _ready(self, key: int) -> None:
+        lease = self.leases.pop(key, None)
+        if lease is not None:
+            lease.wait(10)  # the block is the peer's until it releases it
+
+    def run(self, ch: Any) -> None:
+        for k in range(self.n):
+            what = self.rng.choice(["ring", "ring", "ring", "meta", "copy", "batch", "chunk", "trim"])
+            if what in ("ring", "meta"):
+                i = self.rng.randrange(len(self.blocks))
+                self._ready(i)
+                self.blocks[i][0] = k
+                self.leases[i] = ch.send(self.blocks[i], meta={"k": k} if what == "meta" else None, timeout=10)
+            elif what == "copy":
+                ch.send(np.full(3, k, dtype=np.int64), timeout=10)
+            elif what == "batch":
+                j = self.rng.randrange(len(self.pairs))
+                self._ready(100 + j)
+                a, b = self.pairs[j]
+                a[0] = b[0] = k
+                self.leases[100 + j] = ch.send_many({"a": a, "b": b}, timeout=10)
+            else:  # a block of a chunk of its own: announced now; "trim" lets the idle ones go (a retire)
+                big = self.spare.empty(40000, "int64")
+                big[0] = k
+                ch.send(big, timeout=10).wait(10) if what == "trim" else ch.send(big, timeout=10)
+                del big
+                if what == "trim":
+                    self.spare.trim()
+        for key in list(self.leases):
+            self._ready(key)
+
+
+def _consume(ch: Any, n: int, rng: random.Random, slow: float) -> list[int]:
+    got = []
+    for _ in range(n):
+        batch = ch.recv_many(10)
+        items = list(batch.values()) if isinstance(batch, dict) else batch
+        firsts = {int(r.as_array().reshape(-1)[0]) for r in items}
+        assert len(firsts) == 1, firsts
+        got.append(firsts.pop())
+        for r in items:
+            r.release()
+        if slow and rng.random() < 0.3:
+            time.sleep(rng.random() * slow)  # lets the producer's small ring fill: repeats fall back to the socket
+    return got
+
+
+@pytest.mark.parametrize("ends", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["ring", "listener-only", "connector-only", "socket"])
+def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monkeypatch, ends: tuple[bool, bool]) -> None:
+    """Mixed ring slots and socket messages arrive in the order they were sent, a full ring falls back to the
+    socket mid-stream, and a peer that speaks only the socket protocol (either end ``ring=False``) sees the
+    same stream."""
+    monkeypatch.setattr(rendezvous, "RING_SLOTS", 4)  # small: the consumer's pauses fill it
+    seen: list[str] = []
+    encode = fdpass.encode_message
+
+    def spy(obj: dict[str, Any], *a: Any, **kw: Any) -> bytes:
+        seen.append(obj["kind"] if obj.get("kind") != "repeat" or obj["meta"] is not None else "repeat-plain")
+        return encode(obj, *a, **kw)
+
+    monkeypatch.setattr(fdpass, "encode_message", spy)
+    n = 600
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=8 << 20) as pool, \
+            SharedPool(None, chunk_bytes=1 << 19, max_bytes=64 << 20) as spare:
+        lst, prod, cons = _pair(str(tmp_path / "o.sock"), pool, *ends)
+        with lst, prod, cons:
+            assert prod.ring == cons.ring == (ends == (True, True))
+            script = _Script(pool, spare, n, seed=7)
+            errors: list[BaseException] = []
+
+            def produce() -> None:
+                try:
+                    script.run(prod)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=produce)
+            t.start()
+            got = _consume(cons, n, random.Random(3), slow=0.002)
+            t.join(30)
+            assert not errors, errors
+            assert got == list(range(n))
+            deadline = time.monotonic() + 5
+            while prod.outstanding and time.monotonic() < deadline:  # the last releases may be on their way
+                time.sleep(0.01)
+            assert prod.outstanding == 0
+    kinds = {k: seen.count(k) for k in set(seen)}
+    assert kinds.get("chunk", 0) > 1 and kinds.get("retire", 0) >= 1 and kinds.get("repeat", 0) > 10, kinds
+    socket_arrays = sum(kinds.get(k, 0) for k in ("array", "arrays", "repeat", "repeat-plain"))
+    if ends == (True, True):
+        assert socket_arrays < n - 50, kinds  # many went through the ring ...
+        assert kinds.get("repeat-plain", 0) > 0, kinds  # ... and some fell back to the socket when it was full
+        assert "ring" in kinds and "release" not in kinds or kinds["release"] < 10, kinds
+    else:
+        assert socket_arrays == n and "ring" not in kinds, kinds
+
+
+def test_a_hello_says_whether_the_ring_is_offered(tmp_path: Path) -> None:
+    addr = str(tmp_path / "h.sock")
+    with listen(addr, ring=True) as lst:
+        t = threading.Thread(target=lambda: pytest.raises(WaitTimeoutError, lst.accept, 1))
+        t.start()  # (handshakes run while an accept takes connections)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(addr)
+        theirs, _ = recv_frame(raw, 5)
+        raw.close()
+        t.join(5)
+    assert theirs["ring"] == 1 and theirs["protocol"] == PROTOCOL_VERSION == 6
+    with pytest.raises(InvalidArgumentError, match="spin"):
+        listen(str(tmp_path / "x.sock"), spin=-1)
+    with pytest.raises(InvalidArgumentError, match="spin"):
+        connect(addr, spin=True)
+
+
+# --- a forged peer ------------------------------------------------------------------------------------------
+
+
+def _forger(addr: str, script: Callable[[socket.socket, Rings | None], None], ring: Any = 1,
+            make: bool = True) -> threading.Thread:
+    """A listener written by hand: hello offering ``ring``, the peer's hello and ring message read (its fds
+    closed), then ``script(conn, rings)`` with a real region of its own (``make``) to forge in."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(addr)
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        srv.close()
+        send_frame(conn, {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": "x", "boot_id": host_boot_id(),
+                          "gpus": [], "pid": os.getpid(), "ring": ring})
+        hello, _ = recv_frame(conn, 10)
+        rings = None
+        if hello["ring"] == 1 and ring == 1:
+            offer, fds = fdpass.recv_message(conn, 10, max_fds=2)
+            rings = Rings(4, 4) if make else None
+            if rings is not None:
+                rings.attach(offer, fds)
+            fdpass.close_fds(fds)
+        try:
+            script(conn, rings)
+            try:
+                recv_frame(conn, 10)  # the victim hangs up
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            conn.close()
+            if rings is not None:
+                rings.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _send_offer(conn: socket.socket, rings: Rings, fds: list[int] | None = None, **changes: Any) -> None:
+    msg, own = rings.offer()
+    fdpass.send_message(conn, {**msg, **changes}, own if fds is None else fds, max_bytes=1 << 20)
+
+
+def _pipe_offer(conn: socket.socket, rings: Rings) -> None:
+    r, w = os.pipe()
+    msg, fds = rings.offer()
+    fdpass.send_message(conn, msg, [r, w])
+    os.close(r)
+    os.close(w)
+
+
+def _unsealed_offer(conn: socket.socket, rings: Rings) -> None:
+    msg, fds = rings.offer()
+    fd = os.memfd_create("forged", os.MFD_CLOEXEC)
+    os.ftruncate(fd, msg["bytes"])
+    fdpass.send_message(conn, msg, [fd, fds[1]])
+    os.close(fd)
+
+
+def _second_offer(conn: socket.socket, rings: Rings) -> None:
+    _send_offer(conn, rings)
+    _send_offer(conn, rings)
+
+
+def _forged_release(conn: socket.socket, rings: Rings) -> None:
+    _send_offer(conn, rings)
+    time.sleep(0.05)
+    rings.push_releases([987654])  # never lent
+
+
+def _forged_slot_layout(conn: socket.socket, rings: Rings) -> None:
+    _send_offer(conn, rings)
+    time.sleep(0.05)
+    assert rings.try_push(RingSlot(1, 5, 77, "none", None))  # after the ring message: a layout never defined
+
+
+def _forged_slot_order(conn: socket.socket, rings: Rings) -> None:
+    _send_offer(conn, rings)
+    send_frame(conn, {"kind": "release", "leases": []})
+    time.sleep(0.05)
+    assert rings.try_push(RingSlot(0, 5, 1, "none", None))  # claims to precede the ring message: out of order
+
+
+def _forged_slot_missing_socket(conn: socket.socket, rings: Rings) -> None:
+    _send_offer(conn, rings)
+    time.sleep(0.05)
+    assert rings.try_push(RingSlot(9, 5, 1, "none", None))  # names 8 socket messages that never come
+
+
+def _torn_slot(conn: socket.socket, rings: Rings) -> None:
+    from dmabuf_interop import _atomic
+
+    _send_offer(conn, rings)
+    time.sleep(0.05)
+    _atomic.store_seq(rings._mine, OUT_TAIL, 1)  # a tail that says published, over a slot never written (seq 0)
+    os.eventfd_write(rings._peer_wake, 1)  # (the victim sleeps: wake it, as a publish would)
+
+
+@pytest.mark.parametrize("name, script, text", [
+    ("pipes for fds", _pipe_offer, "not a memfd"),
+    ("an unsealed memfd", _unsealed_offer, "seals"),
+    ("a wrong size", lambda c, r: _send_offer(c, r, bytes=r.nbytes + 4096), "bytes"),
+    ("one fd", lambda c, r: _send_offer(c, r, fds=r.offer()[1][:1]), "not 2"),
+    ("a second ring message", _second_offer, "second"),
+    ("no ring message first", lambda c, r: send_frame(c, {"kind": "release", "leases": []}), "ring message first"),
+    ("a release never lent, in the ring", _forged_release, "unknown lease"),
+    ("a slot of a layout never defined", _forged_slot_layout, "unknown layout"),
+    ("a slot before the socket messages handled", _forged_slot_order, "arrived after"),
+    ("a slot after socket messages never sent", _forged_slot_missing_socket, "only 1 came"),
+    ("a torn slot", _torn_slot, "seq"),
+])
+def test_a_forged_ring_ends_the_connection_with_protocol_error(tmp_path: Path, name: str, script: Any,
+                                                               text: str) -> None:
+    addr = str(tmp_path / "f.sock")
+    start = _fds()
+    t = _forger(addr, script)
+    with connect(addr, timeout=10) as ch:
+        assert ch.ring
+        with pytest.raises(ProtocolError, match=text):
+            ch.recv(5)
+        assert ch.closed
+        assert ch.protocol_state.end_reason.value == "protocol-error"
+    t.join(10)
+    assert _fds() == start
+
+
+def test_a_ring_message_not_negotiated_is_refused(tmp_path: Path) -> None:
+    """The forger offers no ring, the channel offers one: a ring message is then a protocol error."""
+    addr = str(tmp_path / "n.sock")
+
+    def script(conn: socket.socket, _: Any) -> None:
+        with Rings(4, 4) as r:
+            _send_offer(conn, r)
+
+    t = _forger(addr, script, ring=None)
+    with connect(addr, timeout=10) as ch:
+        assert not ch.ring
+        with pytest.raises(ProtocolError, match="not negotiated"):
+            ch.recv(5)
+    t.join(10)
+
+
+def test_a_forged_release_in_the_ring_ends_a_producer_at_its_next_send(tmp_path: Path) -> None:
+    """The exporter takes releases from the ring before each send: a forged id ends the connection there too."""
+    addr = str(tmp_path / "p.sock")
+    lent = threading.Event()
+
+    def script(conn: socket.socket, rings: Rings) -> None:
+        _send_offer(conn, rings)
+        fdpass.recv_message(conn, 10, max_fds=2)  # the producer's chunk
+        recv_frame(conn, 10)  # its array
+        rings.push_releases([424242])
+        lent.set()
+
+    t = _forger(addr, script)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool, connect(addr, timeout=10, pool=pool) as ch:
+        ch.send(np.arange(4))
+        assert lent.wait(10)
+        deadline = time.monotonic() + 5
+        with pytest.raises(Exception) as info:
+            while time.monotonic() < deadline:  # the reader thread or the next send sees it first
+                ch.send(np.arange(4), timeout=1)
+                time.sleep(0.01)
+        assert "ProtocolError" in f"{info.value}" or isinstance(info.value.__cause__, ProtocolError), info.value
+        assert ch.protocol_state.error is not None and "unknown lease" in str(ch.protocol_state.error)
+    t.join(10)
+
+
+# --- two processes ------------------------------------------------------------------------------------------
+
+
+def _handoffs(addr: str, n: int, spin: float, seed: int, ring: bool = True) -> dict[str, Any]:
+    """A producer here and a consumer forked: ``n`` hand-offs of 4 KiB from a ring of 8 blocks, random short
+    sleeps on both sides (so each finds the other now awake, now asleep), every recv and lease wait bounded."""
+    pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+    lst = listen(addr, pool=pool, ring=ring)
+
+    def consumer() -> dict[str, Any]:
+        rng = random.Random(seed + 1)
+        with connect(addr, timeout=10, ring=ring, spin=spin) as ch:
+            bad = []
+            for k in range(n):
+                r = ch.recv(5)  # a lost wake-up shows as a WaitTimeoutError here
+                v = int(r.as_array()[0])
+                if v != k:
+                    bad.append((k, v))
+                r.release()
+                if rng.random() < 0.2:
+                    time.sleep(rng.random() * 0.0005)
+            return {"bad": bad[:5], "ring": ch.ring}
+
+    pid, rfd = child(consumer)
+    ch = lst.accept(10)
+    rng = random.Random(seed)
+    blocks = [pool.empty(512, "int64") for _ in range(8)]
+    leases: list[Any] = [None] * 8
+    timeouts = 0
+    for k in range(n):
+        i = k % 8
+        if leases[i] is not None:
+            try:
+                leases[i].wait(5)  # a lost wake-up of the producer's reader shows here
+            except WaitTimeoutError:
+                timeouts += 1
+        blocks[i][0] = k
+        leases[i] = ch.send(blocks[i], timeout=5)
+        if rng.random() < 0.2:
+            time.sleep(rng.random() * 0.0005)
+    got = result(rfd, 60)
+    reap(pid)
+    for lease in leases:
+        lease.wait(5)
+    out = dict(got.get("ok", got))
+    out.update(producer_ring=ch.ring, timeouts=timeouts, reasons=sorted({lz.reason for lz in leases}))
+    ch.close()
+    lst.close()
+    pool.close()
+    return out
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.00005], ids=["blocking", "spinning"])
+def test_no_wake_up_is_lost_between_two_processes(tmp_path: Path, spin: float) -> None:
+    out = bounded(lambda: _handoffs(str(tmp_path / "w.sock"), 3000, spin, seed=11), 120)
+    got = out.get("ok", out)
+    assert got.get("bad") == [], out
+    assert got["ring"] and got["producer_ring"] and got["timeouts"] == 0 and got["reasons"] == ["released"], out
+
+
+def test_a_socket_only_consumer_process_works_the_same(tmp_path: Path) -> None:
+    out = bounded(lambda: _handoffs(str(tmp_path / "s.sock"), 500, 0.0, seed=5, ring=False), 60)
+    got = out.get("ok", out)
+    assert got.get("bad") == [] and not got["ring"] and got["timeouts"] == 0, out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sigkill_of_the_consumer_at_a_random_point_completes_every_lease(tmp_path: Path, seed: int) -> None:
+    """The consumer dies by SIGKILL mid-stream: every lease completes ('released' or 'disconnected'), the
+    producer's fds go back to their count before the connection, and the pool's blocks come back."""
+    addr = str(tmp_path / "k.sock")
+
+    def scenario() -> dict[str, Any]:
+        pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+        blocks = [pool.empty(512, "int64") for _ in range(8)]
+        lst = listen(addr, pool=pool)
+        start = _fds()
+
+        def consumer() -> dict[str, Any]:
+            with connect(addr, timeout=10) as ch:
+                while True:
+                    ch.recv(30).release()
+
+        pid, rfd = child(consumer)
+        ch = lst.accept(10)
+        ring = ch.ring
+        rng = random.Random(seed)
+        kill_at = time.monotonic() + rng.uniform(0.05, 0.4)
+        leases = []
+        killed = False
+        while len(leases) < 5000:
+            if not killed and time.monotonic() >= kill_at:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            try:
+                leases.append(ch.send(blocks[len(leases) % 8], timeout=2))
+            except Exception:  # noqa: BLE001 - the peer is gone
+                break
+        os.close(rfd)
+        reap(pid)
+        for lease in leases:
+            lease.wait(5)
+        reasons = sorted({lz.reason for lz in leases})
+        ch.close()
+        del blocks
+        used = pool.used_bytes
+        end = _fds()
+        lst.close()
+        pool.close()
+        return {"ring": ring, "reasons": reasons, "start": start, "end": end, "used": used, "sent": len(leases)}
+
+    out = bounded(scenario, 60)
+    got = out.get("ok", out)
+    assert got["ring"] and set(got["reasons"]) <= {"released", "disconnected"}, out
+    assert got["end"] == got["start"] and got["used"] == 0, out
+
+
+# --- the channel's fds ----------------------------------------------------------------------------------------
+
+
+def _fd_kinds(skip_pool: bool = False) -> dict[str, int]:
+    """This process's fds by kind: ``socket``, ``pipe``, ``eventfd``, a memfd by its name, else the path."""
+    out: collections.Counter[str] = collections.Counter()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the directory listing's own fd
+            continue
+        if target.startswith(("socket:", "pipe:")):
+            kind = target.split(":")[0]
+        elif target.startswith("/memfd:"):
+            kind = target.removesuffix(" (deleted)")
+        elif target == "anon_inode:[eventfd]":
+            kind = "eventfd"
+        else:
+            kind = target
+        if not (skip_pool and kind == "/memfd:dmabuf-interop-pool"):
+            out[kind] += 1
+    return dict(out)
+
+
+def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
+
+
+#: What a channel with the ring holds: its socket, its region's memfd and eventfd, and the peer's eventfd (the
+#: peer's memfd is mapped, then closed).
+_RING_CHANNEL_FDS = {"/memfd:dmabuf-interop-ring": 1, "eventfd": 2, "socket": 1}
+
+
+def test_connect_and_accept_hand_out_a_channel_that_holds_all_its_fds(tmp_path: Path) -> None:
+    """Both ends hold every fd of the connection (the peer's eventfd too) when ``connect`` returns and when
+    ``accept`` hands the channel out: hand-offs and releases through the ring add none (a producer that only
+    sends used to attach the consumer's ring in its reader, some time after its first send)."""
+    addr = str(tmp_path / "a.sock")
+
+    def scenario() -> dict[str, Any]:
+        pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+        blocks = [pool.empty(512, "int64") for _ in range(4)]
+        lst = listen(addr, pool=pool)
+
+        def consumer() -> dict[str, Any]:
+            before = _fd_kinds(skip_pool=True)
+            with connect(addr, timeout=10) as ch:
+                made = _fd_kinds(skip_pool=True)  # (the producer's chunk is imported, and kept, at its first use)
+                for _ in range(40):
+                    ch.recv(10).release()
+                after = _fd_kinds(skip_pool=True)
+            return {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made)}
+
+        before = _fd_kinds(skip_pool=True)
+        pid, rfd = child(consumer)
+        ch = lst.accept(10)
+        made = _fd_kinds(skip_pool=True)
+        leases: list[Any] = []
+        for k in range(40):
+            if len(leases) >= 4:
+                leases.pop(0).wait(10)
+            leases.append(ch.send(blocks[k % 4], timeout=10))
+        for lease in leases:
+            lease.wait(10)
+        after = _fd_kinds(skip_pool=True)
+        got = result(rfd, 30)
+        reap(pid)
+        out = {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made), "consumer": got}
+        ch.close()
+        lst.close()
+        pool.close()
+        return out
+
+    out = bounded(scenario, 60)
+    cons = out["consumer"].get("ok", out["consumer"])
+    assert out["ring"] and cons["ring"], out
+    assert out["made"] == {**_RING_CHANNEL_FDS, "pipe": 1} and cons["made"] == _RING_CHANNEL_FDS, out  # (the child's result pipe)
+    assert out["grew"] == {} and cons["grew"] == {}, out
+
+
+def test_a_ring_channel_leaves_no_fd_behind_after_close_on_both_ends(tmp_path: Path) -> None:
+    """Counted before ``listen`` / ``connect`` and after ``close``, by kind: the listener's process and the
+    connector's (each after hand-offs through the ring both ways: repeats and releases)."""
+    addr = str(tmp_path / "c.sock")
+
+    def scenario() -> dict[str, Any]:
+        start = _fd_kinds()
+        pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+        blocks = [pool.empty(512, "int64") for _ in range(4)]
+        lst = listen(addr, pool=pool)
+
+        def consumer() -> dict[str, Any]:
+            before = _fd_kinds()
+            ch = connect(addr, timeout=10)
+            for _ in range(20):
+                ch.recv(10).release()
+            ring = ch.ring
+            ch.close()
+            return {"ring": ring, "left": _minus(_fd_kinds(), before)}
+
+        pid, rfd = child(consumer)
+        ch = lst.accept(10)
+        ring = ch.ring
+        for k in range(20):
+            ch.send(blocks[k % 4], timeout=10).wait(10)
+        got = result(rfd, 30)
+        reap(pid)
+        ch.close()
+        lst.close()
+        del blocks
+        pool.close()
+        return {"ring": ring, "left": _minus(_fd_kinds(), start), "consumer": got}
+
+    out = bounded(scenario, 60)
+    cons = out["consumer"].get("ok", out["consumer"])
+    assert out["ring"] and cons["ring"], out
+    assert out["left"] == {} and cons["left"] == {}, out
+
+
+def test_sigkill_of_the_producer_leaves_the_consumer_no_fd(tmp_path: Path) -> None:
+    """The listening producer dies by SIGKILL mid-stream: the consumer's ``recv`` ends, and after ``close`` its
+    fds are those it had before ``connect``, by kind."""
+    addr = str(tmp_path / "k.sock")
+
+    def scenario() -> dict[str, Any]:
+        def producer() -> dict[str, Any]:
+            pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+            blocks = [pool.empty(512, "int64") for _ in range(8)]
+            lst = listen(addr, pool=pool)
+            ch = lst.accept(10)
+            leases: dict[int, Any] = {}
+            for k in range(1 << 30):  # blocks 0-2 once (the consumer holds them), then 3-7 in turn
+                i = k if k < 3 else 3 + k % 5
+                if i in leases:
+                    leases.pop(i).wait(10)
+                leases[i] = ch.send(blocks[i], timeout=10)
+            return {}
+
+        start = _fd_kinds()
+        pid, rfd = child(producer)
+        ch = connect(addr, timeout=10, wait=True)
+        ring = ch.ring
+        held = [ch.recv(10) for _ in range(3)]  # held: the producer goes on with its other blocks
+        for _ in range(50):
+            ch.recv(10).release()
+        os.kill(pid, signal.SIGKILL)
+        reap(pid)
+        ended = None
+        try:
+            while True:
+                ch.recv(10).release()
+        except Exception as exc:  # noqa: BLE001 - the peer is gone
+            ended = type(exc).__name__
+        for r in held:
+            r.release()
+        ch.close()
+        os.close(rfd)
+        return {"ring": ring, "ended": ended, "left": _minus(_fd_kinds(), start)}
+
+    out = bounded(scenario, 60)
+    assert out["ring"] and out["ended"] == "PeerClosedError", out
+    assert out["left"] == {}, out
+
+
+# --- fork, spin, the queue bound ------------------------------------------------------------------------------
+
+
+def test_a_forked_child_cannot_use_the_ring_and_its_close_leaves_the_parents(tmp_path: Path) -> None:
+    addr = str(tmp_path / "k.sock")
+
+    def scenario() -> dict[str, Any]:
+        pool = SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20)
+        lst, prod, cons = _pair(addr, pool)
+        a = pool.empty(4, "int64")
+        for k in range(3):  # a layout, then repeats through the ring
+            a[0] = k
+            lease = prod.send(a)
+            with cons.recv(2) as r:
+                assert int(r.as_array()[0]) == k
+            lease.wait(2)
+
+        def worker() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for name, call in (("send", lambda: prod.send(a)), ("recv", lambda: cons.recv(0.1))):
+                try:
+                    call()
+                    out[name] = "ok"
+                except BaseException as exc:  # noqa: BLE001
+                    out[name] = error(exc)
+            prod.close()
+            cons.close()
+            return out
+
+        pid, rfd = child(worker)
+        in_child = result(rfd, 5).get("ok")
+        reap(pid)
+        after = []
+        for k in range(100, 103):
+            a[0] = k
+            lease = prod.send(a)
+            with cons.recv(2) as r:
+                after.append(int(r.as_array()[0]))
+            lease.wait(2)
+        out = {"child": in_child, "after": after, "ring": prod.ring, "open": not prod.closed and not cons.closed}
+        for x in (cons, prod, lst, pool):
+            x.close()
+        return out
+
+    out = bounded(scenario, 20)
+    got = out.get("ok", out)
+    assert got["after"] == [100, 101, 102] and got["ring"] and got["open"], out
+    assert got["child"]["send"]["error"] == got["child"]["recv"]["error"] == ForkedResourceError.__name__, out
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.001])
+def test_spin_per_channel_and_per_recv(tmp_path: Path, spin: float) -> None:
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "s.sock"), pool, spin=spin)
+        with lst, prod, cons:
+            assert cons.spin == spin and prod.spin == 0.0
+            a = pool.empty(4, "int64")
+            for k in range(50):
+                a[0] = k
+                lease = prod.send(a)
+                with cons.recv(2, spin=None if k % 2 else 0.0005) as r:
+                    assert int(r.as_array()[0]) == k
+                lease.wait(2)
+            t0 = time.monotonic()
+            with pytest.raises(WaitTimeoutError):
+                cons.recv(0.05, spin=0.2)  # the spin never outlasts the timeout
+            assert time.monotonic() - t0 < 0.5
+            cons.spin = 0.01
+            assert cons.spin == 0.01
+            with pytest.raises(InvalidArgumentError):
+                cons.spin = 2.0
+            with pytest.raises(InvalidArgumentError):
+                cons.recv(0.01, spin=-0.1)
+
+
+def test_the_queue_bound_parks_ring_slots_then_the_socket_fills(tmp_path: Path, monkeypatch) -> None:
+    """A consumer with a background reader at ``max_queued``: the reader stops taking slots, the producer's ring
+    fills, its repeats go by the socket, which fills until a send times out; then everything arrives, in order."""
+    monkeypatch.setattr(rendezvous, "RING_SLOTS", 4)
+    with SharedPool(None, chunk_bytes=1 << 20, max_bytes=64 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "q.sock"), pool)
+        with lst, prod, cons:
+            cons.max_queued = 3
+            back = cons.send(np.arange(2))  # the consumer's background reader runs from its first send
+            prod.recv(2).release()
+            back.wait(2)
+            blocks = [pool.empty(8, "int64") for _ in range(8)]
+            leases = []
+            with pytest.raises(WaitTimeoutError):
+                for k in range(200000):  # a ring of blocks lent again and again: repeats
+                    leases.append(prod.send(blocks[k % 8], timeout=0.5))
+            assert 8 + 4 < len(leases) < 200000
+            got = []
+            for _ in leases:
+                with cons.recv(5) as r:
+                    got.append(r.lease_id)
+            assert got == [lz.id for lz in leases]  # lease ids: the order the producer lent them in
+            for lz in leases:
+                lz.wait(5)
