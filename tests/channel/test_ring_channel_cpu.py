@@ -24,7 +24,9 @@ import pytest
 
 from dmabuf_interop import fdpass
 from dmabuf_interop.channel import SharedPool, connect, listen
-from dmabuf_interop.channel import rendezvous
+from dmabuf_interop.channel import _releases as releases_module
+from dmabuf_interop.channel import channel as channel_module
+from dmabuf_interop.channel import rendezvous, wire
 from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings
 from dmabuf_interop.channel.protocol import PROTOCOL_VERSION, host_boot_id
 from dmabuf_interop.channel.wire import recv_frame, send_frame
@@ -126,6 +128,17 @@ def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monke
         return encode(obj, *a, **kw)
 
     monkeypatch.setattr(fdpass, "encode_message", spy)
+
+    def template_spy(encode: Callable[..., bytes]) -> Callable[..., bytes]:
+        def spied(*a: Any, **kw: Any) -> bytes:  # repeats and releases framed from wire's templates
+            data = encode(*a, **kw)
+            obj = json.loads(data[4:])
+            seen.append(obj["kind"] if obj["kind"] != "repeat" or obj["meta"] is not None else "repeat-plain")
+            return data
+        return spied
+
+    monkeypatch.setattr(channel_module, "encode_repeat", template_spy(wire.encode_repeat))
+    monkeypatch.setattr(releases_module, "encode_release", template_spy(wire.encode_release))
     n = 600
     with SharedPool(None, chunk_bytes=1 << 16, max_bytes=8 << 20) as pool, \
             SharedPool(None, chunk_bytes=1 << 19, max_bytes=64 << 20) as spare:
