@@ -5,9 +5,9 @@ message ring (fixed-size slots that carry what a ``repeat`` carries), its releas
 counters both ends read. The format, the ordering with the socket, the wake protocol and what a reader must
 check are specified in ``docs/protocol.md`` ("Shared-memory ring"); this module is that section in code, with
 :mod:`._ring_region` (the region's format, the slot's encoding, :class:`RingSlot` and the checks of the peer's
-``ring`` message and fds), whose names it re-exports. The memory orders come from the C extension :mod:`dmabuf_interop._atomic` (acquire/release and seq_cst u64 loads and
-stores, and the ``MADV_DONTFORK`` mapping); where it is not built the ring is not offered
-(:func:`ring_unavailable`).
+``ring`` message and fds), whose names it re-exports. The memory orders come from the C extension
+:mod:`dmabuf_interop._atomic` (acquire/release and seq_cst u64 loads and stores, and the ``MADV_DONTFORK``
+mapping); where it is not built the ring is not offered (:func:`ring_unavailable`).
 
 Note [the peer's region]. The peer may rewrite its region at any moment, so every value taken from it is
 copied out exactly once (``struct.unpack_from`` makes Python ints and bytes of a slot in one call; release
