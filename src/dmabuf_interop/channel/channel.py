@@ -46,16 +46,17 @@ layouts: :meth:`ConnectionState.receive` is called under it), the queue of arriv
 :class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
 
 The shared-memory ring (:mod:`._ring`; both ends offered it at the handshake). Its four kinds of calls are
-serialised by the locks above: ``try_push`` (a repeat without meta) under ``_send_lock``, so a slot takes its
-place among the socket messages in the lock's order (it records :attr:`._link.Link.sent`, the messages that went
-out whole before it); ``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
+serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._lending.Lending._push`) under
+``_send_lock``, so a slot takes its place among the socket messages in the lock's order (it records
+:attr:`._link.Link.sent`, the messages that went out whole before it);
+``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
 (:meth:`._reader.Reading._arrived` merges the slots with the socket messages in the peer's order); and
 ``push_releases`` and ``take_releases`` under ``_state`` (the importer's releases, from any thread; the exporter
-takes them in its reader after each wake-up and in ``send`` before it places anything). The peer's ``ring``
-message is attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds
-``_send_lock``). Every wait of the reader (the background reader's, and ``recv``'s in its own thread) is a
-``poll`` of the socket and the ring's eventfd, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first
-spin on the ring (:attr:`Channel.spin`).
+takes them in its reader after each wake-up and in ``send`` before it places anything:
+:meth:`._lending.Lending._take_ring_releases`). The peer's ``ring`` message is attached, and the rings closed at
+the end of the connection, under ``_state`` (the end also holds ``_send_lock``). Every wait of the reader (the
+background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's eventfd,
+between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring (:attr:`Channel.spin`).
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
