@@ -17,8 +17,8 @@ import threading
 from typing import Any, Iterator
 
 from dmabuf_interop import fdpass
+from dmabuf_interop.channel import _lending as lending_module
 from dmabuf_interop.channel import _releases as releases_module
-from dmabuf_interop.channel import channel as channel_module
 from dmabuf_interop.channel import wire
 
 
@@ -54,7 +54,7 @@ def captured() -> Iterator[list[dict[str, Any]]]:
     # seen twice).
     targets = [(fdpass, "encode_message", encode_spy), (wire, "encode_message", encode_spy),
                (fdpass, "decode_message", decode_spy),
-               (channel_module, "encode_repeat", template_spy(wire.encode_repeat)),
+               (lending_module, "encode_repeat", template_spy(wire.encode_repeat)),
                (releases_module, "encode_release", template_spy(wire.encode_release))]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
     for mod, name, fn in targets:

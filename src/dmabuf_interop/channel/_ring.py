@@ -3,10 +3,11 @@
 Each end owns one region (a sealed memfd, written only by its owner, mapped read-only by the peer) holding its
 message ring (fixed-size slots that carry what a ``repeat`` carries), its release ring (lease ids) and the
 counters both ends read. The format, the ordering with the socket, the wake protocol and what a reader must
-check are specified in ``docs/protocol.md`` ("Shared-memory ring"); this module is that section in code. The
-memory orders come from the C extension :mod:`dmabuf_interop._atomic` (acquire/release and seq_cst u64 loads and
-stores, and the ``MADV_DONTFORK`` mapping); where it is not built the ring is not offered
-(:func:`ring_unavailable`).
+check are specified in ``docs/protocol.md`` ("Shared-memory ring"); this module is that section in code, with
+:mod:`._ring_region` (the region's format, the slot's encoding, :class:`RingSlot` and the checks of the peer's
+``ring`` message and fds), whose names it re-exports. The memory orders come from the C extension
+:mod:`dmabuf_interop._atomic` (acquire/release and seq_cst u64 loads and stores, and the ``MADV_DONTFORK``
+mapping); where it is not built the ring is not offered (:func:`ring_unavailable`).
 
 Note [the peer's region]. The peer may rewrite its region at any moment, so every value taken from it is
 copied out exactly once (``struct.unpack_from`` makes Python ints and bytes of a slot in one call; release
@@ -47,12 +48,15 @@ import functools
 import os
 import struct
 import weakref
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import _forks
 from ..errors import ForkedResourceError, InvalidArgumentError, NotSupportedError, ProtocolError, SyscallError
-from ..fd import fd_kind, fs_magic
+# The region's format and the ring message's checks; the names tests and callers import from here stay here.
+from ._ring_region import (ASLEEP, EVENT_BYTES, EVENT_CODE, F_SEAL_FUTURE_WRITE, HEADER, IN_HEAD, LEASE_LIMIT,
+                           MAGIC, MAX_RELEASE_SLOTS, MAX_SLOTS, ORDER_CODE, ORDERINGS, OUT_TAIL, OWN_SEALS, REL_HEAD,
+                           REL_TAIL, REQUIRED_SEALS, RING_VERSION, SLOT, SLOT_BYTES, SLOTS_OFFSET, RingSlot,
+                           check_eventfd, check_memfd, check_offer, check_size, region_bytes)
 
 try:
     from .. import _atomic
@@ -68,51 +72,6 @@ else:
 
 __all__ = ["RING_VERSION", "RingSlot", "Rings", "ring_unavailable", "region_bytes", "MAX_SLOTS",
            "MAX_RELEASE_SLOTS", "ORDERINGS"]
-
-#: The ring format this implementation speaks (the ``ring`` key of ``hello``, the ``version`` of ``ring``).
-RING_VERSION = 1
-#: The first 8 bytes of a region.
-MAGIC = b"DMABRING"
-#: Bytes of one message slot.
-SLOT_BYTES = 128
-#: Offset of the first message slot: the header and the counters fill the first 4096 bytes.
-SLOTS_OFFSET = 4096
-#: Most message slots a region may have (a power of two, as is every ring's length).
-MAX_SLOTS = 1 << 16
-#: Most release slots a region may have.
-MAX_RELEASE_SLOTS = 1 << 20
-#: Lease ids on the ring are in [1, 2**53): exact in a double, for peers that parse JSON into one.
-LEASE_LIMIT = 1 << 53
-#: The ``ordering`` byte of a slot names these (the code is the index).
-ORDERINGS = ("sync", "event", "none")
-_ORDER_CODE = {name: code for code, name in enumerate(ORDERINGS)}
-_EVENT = 1
-#: Bytes of a ``CUipcEventHandle``.
-EVENT_BYTES = 64
-
-# Counters, each on its own 64-byte line (no false sharing between the writer's and the reader's).
-OUT_TAIL, REL_TAIL, IN_HEAD, REL_HEAD, ASLEEP = 64, 128, 192, 256, 320
-
-_HEADER = struct.Struct("<8sIIII")  # magic, version, slot_bytes, slots, release_slots
-# seq, sock_seq, lease, layout, ordering, has_event, 2 pad bytes, event; the slot's other 32 bytes are zero.
-_SLOT = struct.Struct("<QQQIBB2x64s")
-
-# include/uapi/linux/fcntl.h (Linux 5.1+); Python's fcntl module names it from 3.12 only. With it no new
-# writable mapping (nor write(2)) of the memfd is possible: the peer maps this end's region read-only.
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-#: The seals a peer's region must carry (no SIGBUS from a shrink, no write by anyone but its owner).
-REQUIRED_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE
-_OWN_SEALS = REQUIRED_SEALS | fcntl.F_SEAL_SEAL
-# include/uapi/linux/magic.h: eventfds live on the anonymous-inode filesystem.
-ANON_INODE_FS_MAGIC = 0x09041934
-_OFFER_KEYS = frozenset({"kind", "version", "bytes", "slots", "release_slots"})
-
-
-def region_bytes(slots: int, release_slots: int) -> int:
-    """Size in bytes of a region with ``slots`` message slots and ``release_slots`` release slots: the
-    4096-byte header, the slots, the release entries (8 bytes each), rounded up to a multiple of 4096."""
-    end = SLOTS_OFFSET + slots * SLOT_BYTES + release_slots * 8
-    return (end + 4095) // 4096 * 4096
 
 
 @functools.cache
@@ -132,7 +91,7 @@ def ring_unavailable() -> str | None:
     except OSError as exc:
         return f"memfd_create failed: {SyscallError('memfd_create', exc)}"
     try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _OWN_SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, OWN_SEALS)
     except OSError as exc:
         return f"the kernel refuses the ring's memfd seals (F_SEAL_FUTURE_WRITE needs Linux 5.1+): " \
                f"{SyscallError('fcntl(F_ADD_SEALS)', exc)}"
@@ -141,25 +100,6 @@ def ring_unavailable() -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class RingSlot:
-    """What one message slot carries: a ``repeat`` without ``meta``.
-
-    Attributes:
-        sock_seq: socket messages the writer had sent (counted from the first after the handshake) when it
-            published the slot: the slot comes after its socket messages ``0 .. sock_seq - 1`` and before
-            message ``sock_seq``. A u64.
-        lease: the lease the repeat lends under, in ``[1, 2**53)``.
-        layout: the layout id repeated, a u32 (the channel's state machine checks that it knows it).
-        ordering: ``"sync"``, ``"event"`` or ``"none"`` (as in a ``repeat``).
-        event: the 64-byte ``CUipcEventHandle`` when ``ordering == "event"``, else ``None``.
-    """
-
-    sock_seq: int
-    lease: int
-    layout: int
-    ordering: str
-    event: bytes | None
 
 
 class _Held:
@@ -194,10 +134,6 @@ class _Held:
                 pass
 
 
-def _check_size(value: Any, limit: int, what: str, error: type[Exception]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit or value & (value - 1):
-        raise error(f"{what} must be a power of two in [1, {limit}], got {value!r}")
-    return value
 
 
 def _map(fd: int, size: int, writable: bool) -> Any:
@@ -206,59 +142,6 @@ def _map(fd: int, size: int, writable: bool) -> Any:
     except OSError as exc:
         raise SyscallError(exc.filename or "mmap", exc) from exc  # the C code names mmap or madvise
 
-
-def _check_memfd(fd: Any, nbytes: int) -> None:
-    """The peer's region: a memfd of exactly ``nbytes`` with :data:`REQUIRED_SEALS` (ProtocolError)."""
-    kind = fd_kind(fd)
-    if kind != "memfd":
-        raise ProtocolError(f"ring: the region fd is a {kind}, not a memfd")
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-        raise ProtocolError(f"ring: the region memfd has seals {seals:#x}, not F_SEAL_GROW|F_SEAL_SHRINK|"
-                            f"F_SEAL_FUTURE_WRITE ({REQUIRED_SEALS:#x})")
-    size = os.fstat(fd).st_size
-    if size != nbytes:
-        raise ProtocolError(f"ring: the region memfd is {size} bytes, the message says {nbytes}")
-
-
-def _check_eventfd(fd: Any) -> None:
-    """The peer's wake fd: a non-blocking eventfd (ProtocolError). Without ``/proc``: an anonymous inode
-    that accepts an 8-byte write of 0 (no other anonymous-inode file takes one; an eventfd adds nothing)."""
-    if isinstance(fd, bool) or not isinstance(fd, int) or fd_kind(fd) in ("closed", "socket", "pipe"):
-        raise ProtocolError(f"ring: the wake fd is a {fd_kind(fd)}, not an eventfd")
-    if fs_magic(fd) != ANON_INODE_FS_MAGIC:
-        raise ProtocolError("ring: the wake fd is not an eventfd (not an anonymous inode)")
-    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK:
-        raise ProtocolError("ring: the wake eventfd is blocking (EFD_NONBLOCK is required: a wake never waits)")
-    try:
-        os.eventfd_write(fd, 0)
-    except BlockingIOError:
-        pass  # an eventfd whose counter is at its maximum: the peer is woken already
-    except OSError as exc:
-        raise ProtocolError(f"ring: the wake fd is not an eventfd (write -> {errno.errorcode.get(exc.errno)})") \
-            from exc
-
-
-def check_offer(msg: Any) -> tuple[int, int, int]:
-    """Check a ``ring`` message's fields; returns ``(bytes, slots, release_slots)``.
-
-    Raises:
-        ProtocolError: not the ``ring`` message of version :data:`RING_VERSION` with power-of-two ``slots``
-            (at most :data:`MAX_SLOTS`) and ``release_slots`` (at most :data:`MAX_RELEASE_SLOTS`) and
-            ``bytes == region_bytes(slots, release_slots)``.
-    """
-    if not isinstance(msg, dict) or msg.keys() != _OFFER_KEYS or msg["kind"] != "ring":
-        raise ProtocolError(f"ring: the message must have exactly the keys {sorted(_OFFER_KEYS)} and kind 'ring'")
-    version = msg["version"]
-    if isinstance(version, bool) or version != RING_VERSION or not isinstance(version, int):
-        raise ProtocolError(f"ring: version {version!r}, this end speaks {RING_VERSION}")
-    slots = _check_size(msg["slots"], MAX_SLOTS, "ring: slots", ProtocolError)
-    release_slots = _check_size(msg["release_slots"], MAX_RELEASE_SLOTS, "ring: release_slots", ProtocolError)
-    nbytes = msg["bytes"]
-    if isinstance(nbytes, bool) or nbytes != region_bytes(slots, release_slots) or not isinstance(nbytes, int):
-        raise ProtocolError(f"ring: bytes {nbytes!r}, a region of {slots} slots and {release_slots} release slots "
-                            f"is {region_bytes(slots, release_slots)}")
-    return nbytes, slots, release_slots
 
 
 class Rings:
@@ -283,8 +166,8 @@ class Rings:
     """
 
     def __init__(self, slots: int = 256, release_slots: int = 1024) -> None:
-        self.slots = _check_size(slots, MAX_SLOTS, "slots", InvalidArgumentError)
-        self.release_slots = _check_size(release_slots, MAX_RELEASE_SLOTS, "release_slots", InvalidArgumentError)
+        self.slots = check_size(slots, MAX_SLOTS, "slots", InvalidArgumentError)
+        self.release_slots = check_size(release_slots, MAX_RELEASE_SLOTS, "release_slots", InvalidArgumentError)
         why = ring_unavailable()
         if why is not None:
             raise NotSupportedError(why)
@@ -338,10 +221,10 @@ class Rings:
         except OSError as exc:
             raise SyscallError("ftruncate", exc) from exc
         held.mine = _map(fd, self.nbytes, True)
-        _HEADER.pack_into(held.mine, 0, MAGIC, RING_VERSION, SLOT_BYTES, self.slots, self.release_slots)
+        HEADER.pack_into(held.mine, 0, MAGIC, RING_VERSION, SLOT_BYTES, self.slots, self.release_slots)
         try:
             # After the writable mapping (FUTURE_WRITE spares mappings that exist), before the fd leaves.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _OWN_SEALS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, OWN_SEALS)
         except OSError as exc:
             raise SyscallError("fcntl(F_ADD_SEALS)", exc) from exc
 
@@ -382,8 +265,8 @@ class Rings:
             raise ProtocolError(f"ring: the message carries {len(fds) if isinstance(fds, (list, tuple)) else '?'} "
                                 f"fds, not 2 (memfd, eventfd)")
         memfd, wake = fds
-        _check_memfd(memfd, nbytes)
-        _check_eventfd(wake)
+        check_memfd(memfd, nbytes)
+        check_eventfd(wake)
         try:
             peer = _atomic.Mapping(memfd, nbytes, False)
         except OSError as exc:
@@ -392,7 +275,7 @@ class Rings:
                                     f"({SyscallError(exc.filename or 'mmap', exc)})") from exc
             raise SyscallError(exc.filename or "mmap", exc) from exc
         try:
-            header = _HEADER.unpack_from(peer, 0)  # copied once
+            header = HEADER.unpack_from(peer, 0)  # copied once
             if header != (MAGIC, RING_VERSION, SLOT_BYTES, slots, release_slots):
                 raise ProtocolError(f"ring: the region's header (magic, version, slot_bytes, slots, release_slots) "
                                     f"= {header} is not the message's")
@@ -455,13 +338,13 @@ class Rings:
             self._peer_in_head = head
             if tail - head >= self.slots:
                 return False
-        code = _ORDER_CODE.get(slot.ordering)
+        code = ORDER_CODE.get(slot.ordering)
         event = slot.event
-        if code is None or (event is not None) != (code == _EVENT) or (
+        if code is None or (event is not None) != (code == EVENT_CODE) or (
                 event is not None and len(event) != EVENT_BYTES) or not 0 < slot.lease < LEASE_LIMIT:
             raise InvalidArgumentError(f"ring: cannot carry {slot!r}")
         try:
-            data = _SLOT.pack(tail + 1, slot.sock_seq, slot.lease, slot.layout, code, event is not None,
+            data = SLOT.pack(tail + 1, slot.sock_seq, slot.lease, slot.layout, code, event is not None,
                               event or b"")
         except struct.error as exc:
             raise InvalidArgumentError(f"ring: cannot carry {slot!r}: {exc}") from exc
@@ -503,7 +386,7 @@ class Rings:
 
     def _read_slot(self, head: int) -> RingSlot:
         # One copy of every field (Note [the peer's region]); checked below, never read again.
-        seq, sock_seq, lease, layout, code, has_event, event = _SLOT.unpack_from(
+        seq, sock_seq, lease, layout, code, has_event, event = SLOT.unpack_from(
             self._peer, SLOTS_OFFSET + (head & self._peer_mask) * SLOT_BYTES)
         if seq != head + 1:
             raise ProtocolError(f"ring: slot {head} has seq {seq}, not {head + 1}")
@@ -512,7 +395,7 @@ class Rings:
                                 f"{self._last_sock_seq}")
         if not 0 < lease < LEASE_LIMIT:
             raise ProtocolError(f"ring: slot {head} has lease {lease}, outside [1, 2**53)")
-        if code >= len(ORDERINGS) or has_event != (code == _EVENT):
+        if code >= len(ORDERINGS) or has_event != (code == EVENT_CODE):
             raise ProtocolError(f"ring: slot {head} has ordering {code} and has_event {has_event}")
         return RingSlot(sock_seq, lease, layout, ORDERINGS[code], event if has_event else None)
 

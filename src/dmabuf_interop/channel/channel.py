@@ -5,7 +5,9 @@ the socket and its framing, the reader and flusher threads, and the locks; what 
 decided by the sans-I/O :class:`._state.ConnectionState`, how a chunk crosses by the carrier
 (:class:`._carrier.FdCarrier`, or NIXL for ``tcp://``), what is sent by :mod:`.sending`, what
 arrives by :mod:`.received`. The reading side (reading and handling messages, the queue of arrived
-arrays and its bound, ending the connection) is in :mod:`._reader`.
+arrays and its bound, ending the connection) is in :mod:`._reader`; the lending side (announcing chunks,
+lending arrays under leases, defining and repeating layouts by the socket or the shared-memory ring, retiring
+chunks) in :mod:`._lending`.
 
 Who reads the socket: a channel that has only received reads it in the caller's thread, inside
 :meth:`Channel.recv`, so an array reaches the caller without a hand-over between threads. Once a
@@ -44,16 +46,17 @@ layouts: :meth:`ConnectionState.receive` is called under it), the queue of arriv
 :class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
 
 The shared-memory ring (:mod:`._ring`; both ends offered it at the handshake). Its four kinds of calls are
-serialised by the locks above: ``try_push`` (a repeat without meta) under ``_send_lock``, so a slot takes its
-place among the socket messages in the lock's order (it records :attr:`._link.Link.sent`, the messages that went
-out whole before it); ``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
+serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._lending.Lending._push`) under
+``_send_lock``, so a slot takes its place among the socket messages in the lock's order (it records
+:attr:`._link.Link.sent`, the messages that went out whole before it);
+``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
 (:meth:`._reader.Reading._arrived` merges the slots with the socket messages in the peer's order); and
 ``push_releases`` and ``take_releases`` under ``_state`` (the importer's releases, from any thread; the exporter
-takes them in its reader after each wake-up and in ``send`` before it places anything). The peer's ``ring``
-message is attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds
-``_send_lock``). Every wait of the reader (the background reader's, and ``recv``'s in its own thread) is a
-``poll`` of the socket and the ring's eventfd, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first
-spin on the ring (:attr:`Channel.spin`).
+takes them in its reader after each wake-up and in ``send`` before it places anything:
+:meth:`._lending.Lending._take_ring_releases`). The peer's ``ring`` message is attached, and the rings closed at
+the end of the connection, under ``_state`` (the end also holds ``_send_lock``). Every wait of the reader (the
+background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's eventfd,
+between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring (:attr:`Channel.spin`).
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
@@ -109,7 +112,6 @@ one already waiting a ``poll`` more.
 
 from __future__ import annotations
 
-import base64
 import collections
 import numbers
 import operator
@@ -121,24 +123,22 @@ from typing import Any, Mapping, Sequence
 
 from .. import _forks
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError,
-                      WaitTimeoutError)
-from ..fdpass import _broken_send
+from ..errors import DmaBufError, InvalidArgumentError
 from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
+from ._lending import Lending
 from ._link import SEND_TIMEOUT, Link
-from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop, _ring_releases
+from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
-from ._ring import LEASE_LIMIT, RingSlot
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
 from .arrays import device_index
-from .lease import Lease, PeerInfo, next_lease_id
-from .pool import Block, SharedPool
+from .lease import Lease, PeerInfo
+from .pool import SharedPool
 from .protocol import MAX_LAYOUTS, MAX_SINGLE_LAYOUTS
 from .received import Received, as_tensors, release_all
-from .sending import Memo, MemoTable, Placed, batch_items, check_meta, prepare, stream_handle, wire_descs
-from .wire import encode_repeat, frame_reader, shut_down
+from .sending import MemoTable, batch_items, stream_handle
+from .wire import frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
            "MAX_QUEUED", "MAX_SPIN", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP", "check_spin"]
@@ -162,11 +162,10 @@ def check_spin(value: Any) -> float:
     return float(value)
 
 _NAME = operator.attrgetter("name")
-_MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
 _get_ident = threading.get_ident
 
 
-class Channel(Reading):
+class Channel(Lending, Reading):
     """A connected channel (from :func:`.connect` or :meth:`.Listener.accept`).
 
     Attributes:
@@ -304,43 +303,7 @@ class Channel(Reading):
         """The connection's protocol state (read-only use: layouts, leases, phase, why it ended)."""
         return self._proto
 
-    # --- sending --------------------------------------------------------------------
-
-    def _announce(self, block: Block, deadline: float | None) -> None:
-        chunk = block.chunk
-        if self._proto.is_announced(chunk.id):
-            return
-        link = self._link
-        if not link.acquire(link.wait_for(deadline)):
-            raise WaitTimeoutError("another thread's send held the connection past the timeout")
-        try:  # checked again: two threads may lend blocks of a new chunk at once
-            if not self._proto.is_announced(chunk.id):
-                if not self._proto.can_announce():  # the peer would refuse it and end the connection
-                    raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
-                                               f"at once (MAX_CHUNKS): send from fewer, larger chunks")
-                with self._carrier.announce(block) as (msg, fds):
-                    link.send_locked(msg, fds, timeout=link.wait_for(deadline))
-                self._proto.chunk_announced(chunk.id)
-        finally:
-            link.release()
-        block.pool._register_channel(self)
-
-    def _retire_chunk(self, chunk_id: int) -> None:
-        if self._owner != _forks.pid:
-            return  # a pool inherited through fork(): the parent's channel is the parent's
-        self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
-        self._link.acquire()
-        try:  # placements in the chunk are gone
-            self._memos.forget_chunk(chunk_id)
-            # Uncounted and told under one hold of the lock: no chunk announced in between reaches the
-            # peer before this retire (it would count one chunk more than this end does).
-            if self._proto.retire_chunk(chunk_id):
-                try:
-                    self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
-                except (DmaBufError, OSError):
-                    pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
-        finally:
-            self._link.release()
+    # --- sending (the lending itself: :class:`._lending.Lending`) -------------------------------------
 
     def send(self, array: Any, *, stream: Any = None, meta: dict[str, Any] | None = None,
              timeout: float | None = 10.0, ordering: str | None = None) -> Lease:
@@ -405,138 +368,6 @@ class Channel(Reading):
         """
         names, arrs, kind = batch_items(arrays)
         return self._send_items(names, arrs, stream, meta, timeout, ordering, batch=kind)
-
-    def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
-                    timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
-        """``batch``: ``"mapping"`` or ``"list"`` (:meth:`send_many`), ``None`` (:meth:`send`)."""
-        if self._carrier.forced_ordering is not None:
-            ordering = self._carrier.forced_ordering
-        if meta is not None:  # (a call saved per send without meta)
-            check_meta(meta)
-        ordering = ordering or self.ordering
-        if ordering not in ("event", "sync"):
-            raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
-        if self._owner != _forks.pid:
-            raise ForkedResourceError("this channel", self._owner)
-        deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
-        if self._proto.over:
-            raise self._link.ended()
-        if self._rings is not None and self._rings.attached:
-            self._take_ring_releases()  # the blocks of leases released come back before this one is placed
-        prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
-                       batch is not None, self.share_segments, self._auto)
-        try:
-            for block in prep.heads:
-                self._announce(block, deadline)
-        except BaseException:
-            prep.unref()
-            raise
-        if self._reader is None:
-            self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events)
-        ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
-        with self._state:
-            self._proto.lend(lease.id, lease)
-        try:
-            if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
-                link = self._link
-                wait = link.wait_for(deadline)
-                link.send({"kind": "array", "lease": lease.id,
-                           "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
-            else:
-                self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
-                                 ev64, meta, prep.memo, deadline, None if prep.event is None else prep.event[1])
-        except BaseException:
-            with self._state:
-                self._proto.unlend(lease.id)
-            lease._complete("closed")
-            raise
-        return lease
-
-    def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
-                    meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,
-                    event: bytes | None = None) -> None:
-        """Send an ``arrays`` message (``mapping`` true or false), or an ``array`` message (``mapping``
-        None: one remembered array), defining a layout, or a ``repeat`` of one the peer already has: the
-        same names in the same blocks with the same shapes, strides and dtypes (a model's state dict
-        sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
-        placement came from it (a repeat of its layout) or is to be remembered in it. ``deadline``: by when
-        the message must begin to leave (``None``: :data:`SEND_TIMEOUT`). ``event``: the raw handle ``ev64``
-        encodes. A repeat without ``meta`` goes through the shared-memory ring when it has room
-        (:meth:`_push`), else by the socket."""
-        link = self._link
-        if memo is not None:
-            if not link.acquire(link.wait_for(deadline)):
-                raise WaitTimeoutError("another thread's send held the connection past the timeout")
-            try:
-                if self._memos.is_current(memo):
-                    if meta is None and self._rings is not None and self._push(lease_id, memo.layout, order, event):
-                        return
-                    link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
-                                     timeout=link.wait_for(deadline))
-                    return
-            finally:
-                link.release()
-        key = (mapping, tuple((p.name, p.block.chunk.id, p.block.offset, p.block.size, p.offset, p.shape, p.strides,
-                               p.dtype) for p in placed))
-        # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
-        # order they are defined, and one counts as known only once its definition has gone out.
-        if not link.acquire(link.wait_for(deadline)):
-            raise WaitTimeoutError("another thread's send held the connection past the timeout")
-        try:
-            choice = self._proto.choose_layout(key, single=mapping is None)
-            if not choice.define:
-                if memo is not None:
-                    self._memos.remember(memo, choice.id)
-                if meta is None and self._rings is not None and self._push(lease_id, choice.id, order, event):
-                    return
-                link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
-                return
-            descs = wire_descs(placed, order, ev64, meta)
-            try:
-                if mapping is None:
-                    link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
-                                     timeout=link.wait_for(deadline))
-                else:
-                    link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
-                                      "layout": choice.id}, timeout=link.wait_for(deadline))
-            except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
-                if isinstance(exc, ClosedError):
-                    raise
-                raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
-            gone = self._proto.layout_sent(choice)  # first in, first out: the peer forgets the same one
-            if memo is not None:
-                self._memos.remember(memo, choice.id)
-            if gone is not None:
-                self._memos.forget_layout(gone)
-        finally:
-            link.release()
-
-    def _push(self, lease_id: int, layout: int, order: str, event: bytes | None) -> bool:
-        """(Under the send lock.) Publish a repeat in the ring, after the :attr:`._link.Link.sent` socket
-        messages that went out before it (the peer handles it between those and the next); False: the ring
-        is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket."""
-        link = self._link
-        if not self._proto.can_send or link.sock in _broken_send:
-            raise link.ended()
-        if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
-            return False  # (past what a slot holds: by the socket)
-        return self._rings.try_push(RingSlot(link.sent, lease_id, layout, order, event))
-
-    def _take_ring_releases(self) -> None:
-        """Complete the leases the peer released through its release ring. A forged one (an id not lent) ends
-        the connection: the reader sees the shutdown and ends it with the ProtocolError kept as its cause.
-
-        Raises:
-            PeerClosedError: the peer broke the protocol in its release ring (the connection is ending).
-        """
-        try:
-            _ring_releases(self._conn)
-        except ProtocolError as exc:
-            with self._state:
-                self._proto.fail(exc)
-            shut_down(self._sock)
-            raise self._link.ended() from exc
 
     @property
     def outstanding(self) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProtocolError
-from ._ring import check_offer
+from ._ring_region import check_offer
 
 __all__ = [
     "PROTOCOL_VERSION",

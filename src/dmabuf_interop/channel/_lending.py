@@ -1,0 +1,205 @@
+"""The lending side of a :class:`.channel.Channel`: what its ``send`` and ``send_many`` do once they have their
+arguments.
+
+:class:`Lending` holds the channel's methods that lend (they use the channel's attributes, as
+:class:`._reader.Reading` does for reading): announce a chunk to the peer the first time a block of it is
+lent; place the arrays (:mod:`.sending`) and lend them under a new lease; send the message that defines a
+layout, or repeat one the peer knows, by the socket or, without ``meta``, through the shared-memory ring
+(:mod:`._ring`); take the releases the peer put in its release ring; and retire a chunk that its pool gives
+back. Which lock guards which call, and the lock order: Note [channel threads and fork], in :mod:`.channel`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from .. import _forks
+from .._time import deadline_after
+from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError,
+                      WaitTimeoutError)
+from ..fdpass import _broken_send
+from ._reader import _ring_releases
+from ._ring_region import LEASE_LIMIT, RingSlot
+from .lease import Lease, next_lease_id
+from .pool import Block
+from .sending import Memo, Placed, check_meta, prepare, stream_handle, wire_descs
+from .wire import encode_repeat, shut_down
+
+__all__ = ["Lending"]
+
+_MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
+
+
+class Lending:
+    """The methods of a :class:`.channel.Channel` that lend arrays to the peer (``send`` and ``send_many`` call
+    :meth:`_send_items`) and retire the chunks its pools give back."""
+
+    def _announce(self, block: Block, deadline: float | None) -> None:
+        chunk = block.chunk
+        if self._proto.is_announced(chunk.id):
+            return
+        link = self._link
+        if not link.acquire(link.wait_for(deadline)):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        try:  # checked again: two threads may lend blocks of a new chunk at once
+            if not self._proto.is_announced(chunk.id):
+                if not self._proto.can_announce():  # the peer would refuse it and end the connection
+                    raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
+                                               f"at once (MAX_CHUNKS): send from fewer, larger chunks")
+                with self._carrier.announce(block) as (msg, fds):
+                    link.send_locked(msg, fds, timeout=link.wait_for(deadline))
+                self._proto.chunk_announced(chunk.id)
+        finally:
+            link.release()
+        block.pool._register_channel(self)
+
+    def _retire_chunk(self, chunk_id: int) -> None:
+        if self._owner != _forks.pid:
+            return  # a pool inherited through fork(): the parent's channel is the parent's
+        self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
+        self._link.acquire()
+        try:  # placements in the chunk are gone
+            self._memos.forget_chunk(chunk_id)
+            # Uncounted and told under one hold of the lock: no chunk announced in between reaches the
+            # peer before this retire (it would count one chunk more than this end does).
+            if self._proto.retire_chunk(chunk_id):
+                try:
+                    self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
+                except (DmaBufError, OSError):
+                    pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
+        finally:
+            self._link.release()
+
+    def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
+                    timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
+        """``batch``: ``"mapping"`` or ``"list"`` (:meth:`.channel.Channel.send_many`), ``None``
+        (:meth:`.channel.Channel.send`)."""
+        if self._carrier.forced_ordering is not None:
+            ordering = self._carrier.forced_ordering
+        if meta is not None:  # (a call saved per send without meta)
+            check_meta(meta)
+        ordering = ordering or self.ordering
+        if ordering not in ("event", "sync"):
+            raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
+        if self._owner != _forks.pid:
+            raise ForkedResourceError("this channel", self._owner)
+        deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
+        if self._proto.over:
+            raise self._link.ended()
+        if self._rings is not None and self._rings.attached:
+            self._take_ring_releases()  # the blocks of leases released come back before this one is placed
+        prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
+                       batch is not None, self.share_segments, self._auto)
+        try:
+            for block in prep.heads:
+                self._announce(block, deadline)
+        except BaseException:
+            prep.unref()
+            raise
+        if self._reader is None:
+            self._start_reader()  # the release of this lease must be read even if recv() is never called
+        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events)
+        ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
+        with self._state:
+            self._proto.lend(lease.id, lease)
+        try:
+            if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
+                link = self._link
+                wait = link.wait_for(deadline)
+                link.send({"kind": "array", "lease": lease.id,
+                           "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
+            else:
+                self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
+                                 ev64, meta, prep.memo, deadline, None if prep.event is None else prep.event[1])
+        except BaseException:
+            with self._state:
+                self._proto.unlend(lease.id)
+            lease._complete("closed")
+            raise
+        return lease
+
+    def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
+                    meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,
+                    event: bytes | None = None) -> None:
+        """Send an ``arrays`` message (``mapping`` true or false), or an ``array`` message (``mapping``
+        None: one remembered array), defining a layout, or a ``repeat`` of one the peer already has: the
+        same names in the same blocks with the same shapes, strides and dtypes (a model's state dict
+        sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
+        placement came from it (a repeat of its layout) or is to be remembered in it. ``deadline``: by when
+        the message must begin to leave (``None``: :data:`._link.SEND_TIMEOUT`). ``event``: the raw handle ``ev64``
+        encodes. A repeat without ``meta`` goes through the shared-memory ring when it has room
+        (:meth:`_push`), else by the socket."""
+        link = self._link
+        if memo is not None:
+            if not link.acquire(link.wait_for(deadline)):
+                raise WaitTimeoutError("another thread's send held the connection past the timeout")
+            try:
+                if self._memos.is_current(memo):
+                    if meta is None and self._rings is not None and self._push(lease_id, memo.layout, order, event):
+                        return
+                    link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
+                                     timeout=link.wait_for(deadline))
+                    return
+            finally:
+                link.release()
+        key = (mapping, tuple((p.name, p.block.chunk.id, p.block.offset, p.block.size, p.offset, p.shape, p.strides,
+                               p.dtype) for p in placed))
+        # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
+        # order they are defined, and one counts as known only once its definition has gone out.
+        if not link.acquire(link.wait_for(deadline)):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        try:
+            choice = self._proto.choose_layout(key, single=mapping is None)
+            if not choice.define:
+                if memo is not None:
+                    self._memos.remember(memo, choice.id)
+                if meta is None and self._rings is not None and self._push(lease_id, choice.id, order, event):
+                    return
+                link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
+                return
+            descs = wire_descs(placed, order, ev64, meta)
+            try:
+                if mapping is None:
+                    link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
+                                     timeout=link.wait_for(deadline))
+                else:
+                    link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                                      "layout": choice.id}, timeout=link.wait_for(deadline))
+            except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
+                if isinstance(exc, ClosedError):
+                    raise
+                raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
+            gone = self._proto.layout_sent(choice)  # first in, first out: the peer forgets the same one
+            if memo is not None:
+                self._memos.remember(memo, choice.id)
+            if gone is not None:
+                self._memos.forget_layout(gone)
+        finally:
+            link.release()
+
+    def _push(self, lease_id: int, layout: int, order: str, event: bytes | None) -> bool:
+        """(Under the send lock.) Publish a repeat in the ring, after the :attr:`._link.Link.sent` socket
+        messages that went out before it (the peer handles it between those and the next); False: the ring
+        is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket."""
+        link = self._link
+        if not self._proto.can_send or link.sock in _broken_send:
+            raise link.ended()
+        if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
+            return False  # (past what a slot holds: by the socket)
+        return self._rings.try_push(RingSlot(link.sent, lease_id, layout, order, event))
+
+    def _take_ring_releases(self) -> None:
+        """Complete the leases the peer released through its release ring. A forged one (an id not lent) ends
+        the connection: the reader sees the shutdown and ends it with the ProtocolError kept as its cause.
+
+        Raises:
+            PeerClosedError: the peer broke the protocol in its release ring (the connection is ending).
+        """
+        try:
+            _ring_releases(self._conn)
+        except ProtocolError as exc:
+            with self._state:
+                self._proto.fail(exc)
+            shut_down(self._sock)
+            raise self._link.ended() from exc
