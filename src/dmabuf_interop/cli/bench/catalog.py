@@ -6,7 +6,7 @@ from .iceoryx import INSTALL_HINT as ICEORYX_INSTALL, MECHANISMS as ICEORYX
 from .torch_sharing import MECHANISMS as TORCH_SHARING
 
 __all__ = ["MECHANISMS", "CUDA_FREE", "GPU_HANDOFF_OURS", "CACHED_RING", "SPINNING", "INSTALL", "CHANNELS",
-           "RING_REFUSED", "THROUGHPUT"]
+           "THROUGHPUT"]
 
 #: Buffers per size in the producer's ring for ``posix-fd-cached``.
 CACHED_RING = 2
@@ -65,8 +65,6 @@ MECHANISMS.update(ICEORYX)
 CUDA_FREE = frozenset({"memfd", "channel-host", "channel-host-socket", *ICEORYX})
 #: The channel mechanisms: name -> whether it asks for the shared-memory ring (``listen``/``connect`` ``ring=``).
 CHANNELS = {"channel": True, "channel-host": True, "channel-socket": False, "channel-host-socket": False}
-#: The channel mechanisms that refuse the ring, each with the one that asks for it.
-RING_REFUSED = {"channel-socket": "channel", "channel-host-socket": "channel-host"}
 #: Mechanisms whose consumer can poll before it sleeps, measured a second time with ``--consumer-spin`` (a channel's
 #: spin polls the ring, so the socket-only channels are not among them).
 SPINNING = ("channel", "channel-host", *ICEORYX)

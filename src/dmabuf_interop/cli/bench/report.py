@@ -176,7 +176,8 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
       f"{_verdict(po['met'])}  {detail}\n")
     cl = t["channel"]
     detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x (p99 {x['p99_over_median']:.1f}x median)"
-                       for x in cl["per_size"]) or cl.get("note", "")
+                       for x in cl["per_size"])
+    detail = "; ".join(d for d in (detail, cl.get("note")) if d)
     w(f"  channel <= {CHANNEL_RATIO:g} x torch-ipc, p99 <= {CHANNEL_TAIL:g} x median: {_verdict(cl['met'])}  {detail}\n")
     fh = t.get("first_handoff")
     if fh:
