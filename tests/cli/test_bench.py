@@ -382,16 +382,22 @@ def test_gpu_mechanisms_run_on_tiny_sizes(tmp_path):
 @pytest.mark.gpu
 def test_gpu_channel_bench_runs(tmp_path):
     path = tmp_path / "bench.json"
-    out = run_cli("bench", "--mechanisms", "channel,channel-host", "--sizes", "4K,1M", "--reps", "3",
+    out = run_cli("bench", "--mechanisms", "channel,channel-socket,channel-host", "--sizes", "4K,1M", "--reps", "3",
                   "--warmup", "2", "--json", str(path), timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
-    mechs = _load(path)["mechanisms"]
-    for name in ("channel", "channel-host"):
+    data = _load(path)
+    mechs = data["mechanisms"]
+    for name in ("channel", "channel-socket", "channel-host"):
         assert mechs[name]["status"] == "ok", mechs[name]
         _check_cells(mechs[name], [4096, 1 << 20])
-    assert mechs["channel"]["devices"] == {"producer": 0, "consumer": 0}
-    tput = _load(path)["throughput"]
+    assert mechs["channel"]["devices"] == mechs["channel-socket"]["devices"] == {"producer": 0, "consumer": 0}
+    tput = data["throughput"]
     assert tput["channel"]["status"] == "ok" and tput["channel"]["per_second"] > 0, tput
+    # the device pool's channel with its shared-memory ring where this machine has it, and without it
+    ring = data["environment"]["channel_ring"]["available"]
+    assert mechs["channel"]["ring"] is ring and tput["channel"]["ring"] is ring
+    assert mechs["channel-socket"]["ring"] is False and tput["channel-socket"]["ring"] is False
+    assert all(c["ring"] is False for c in mechs["channel-socket"]["cells"])
 
 
 @pytest.mark.gpu(count=2)

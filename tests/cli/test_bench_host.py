@@ -1,5 +1,6 @@
-"""``dmabuf-interop bench`` on host memory: iceoryx2 beside ``channel-host``, spinning consumers, CPU time per
-hand-off, the idle consumer, host throughput and the host target.
+"""``dmabuf-interop bench`` on host memory: iceoryx2 beside ``channel-host``, the channel with and without its
+shared-memory ring, spinning consumers, CPU time per hand-off, the idle consumer, host throughput and the host
+target.
 
 The runs are real (tiny sizes, few repetitions). Latencies are never asserted; the idle consumer's CPU share
 is, since a consumer that blocks must not keep a CPU busy. The iceoryx2 runs skip where it is not installed
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
 from dmabuf_interop.cli.bench.targets import HOST_RATIO, host_target
-from tests.helpers import run_cli
+from tests.helpers import SRC, run_cli
 
 HAVE_ICEORYX2 = importlib.util.find_spec("iceoryx2") is not None
 needs_iceoryx2 = pytest.mark.skipif(not HAVE_ICEORYX2, reason="iceoryx2 is not installed (pip install iceoryx2)")
@@ -22,13 +24,22 @@ needs_iceoryx2 = pytest.mark.skipif(not HAVE_ICEORYX2, reason="iceoryx2 is not i
 IDLE_CPU_PCT = 10.0
 
 
-def _bench(tmp_path, *args: str) -> tuple[dict, str]:
+def _bench(tmp_path, *args: str, extra_env: dict[str, str] | None = None, stderr: list[str] | None = None
+           ) -> tuple[dict, str]:
     path = tmp_path / "bench.json"
-    out = run_cli("bench", *args, "--json", str(path), timeout=300)
+    out = run_cli("bench", *args, "--json", str(path), timeout=300, extra_env=extra_env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
+    if stderr is not None:
+        stderr.append(out.stderr)
     with open(path) as fh:
         return json.load(fh), out.stdout
+
+
+def _rows(stdout: str, name: str, mode: str) -> list[str]:
+    """The CPU table's rows of run ``name`` (``blocking`` or ``spinning``)."""
+    head = f"{name:<20}{mode:>9}"
+    return [ln for ln in stdout.splitlines() if ln.startswith(head) and ln[len(head):][:8].strip().endswith("iB")]
 
 
 def _check_cpu(entry: dict, sizes: list[int]) -> None:
@@ -63,7 +74,7 @@ def test_channel_host_cpu_idle_and_spin(tmp_path):
     else:
         assert spinning["status"] == "unsupported" and "no spin attribute" in spinning["reason"], spinning
         assert spinning["cells"] == []
-        assert "channel-host     spinning  unsupported" in stdout
+        assert f"{'channel-host':<20}{'spinning':>9}  unsupported" in stdout
     assert "consumer CPU while waiting" in stdout and "channel-host blocking" in stdout
     host = data["targets"]["host"]
     assert host["met"] is None and "iceoryx2 not run" in host["note"], host
@@ -104,7 +115,7 @@ def test_iceoryx2_beside_channel_host(tmp_path):
         assert x["ratio"] == pytest.approx(x["channel_host_us"] / x["iceoryx2_us"], rel=1e-2)
         assert x["iceoryx2_mode"] in ("blocking", "spinning")
     assert host["met"] is (all(x["ratio"] <= HOST_RATIO for x in host["per_size"]))
-    assert "iceoryx2         spinning" in stdout and "iceoryx2 blocking" in stdout
+    assert f"{'iceoryx2':<20}{'spinning':>9}" in stdout and "iceoryx2 blocking" in stdout
 
 
 def _entry(medians: dict[int, float]) -> dict:
@@ -131,3 +142,66 @@ def test_host_target_takes_each_mechanism_at_its_faster_mode():
     results["mechanisms"]["iceoryx2"] = {"status": "not installed", "reason": "iceoryx2 is not installed", "cells": []}
     t = host_target(results)
     assert t["met"] is None and t["per_size"] == [] and "iceoryx2 not installed" in t["note"]
+
+
+@pytest.mark.ring
+def test_channel_with_and_without_the_ring(tmp_path):
+    """``channel-host`` uses the shared-memory ring and ``channel-host-socket`` does not, in the latency cells,
+    the table and the throughput runs; the socket variant has no spinning run (a spin polls the ring)."""
+    data, stdout = _bench(tmp_path, "--mechanisms", "channel-host,channel-host-socket", "--sizes", "4K,64K",
+                          "--reps", "3", "--warmup", "1", "--consumer-spin", "2e-5")
+    assert data["environment"]["channel_ring"] == {"available": True, "reason": None}
+    mechs = data["mechanisms"]
+    for name, ring in (("channel-host", True), ("channel-host-socket", False)):
+        entry = mechs[name]
+        assert entry["status"] == "ok" and entry["kind"] == "ours" and entry["ring"] is ring, entry
+        assert "ring_missing" not in entry and "devices" not in entry
+        assert [c["ring"] for c in entry["cells"]] == [ring, ring]
+        _check_cpu(entry, [4096, 65536])
+        _check_idle(entry)  # a blocking consumer idles on the socket path too
+        rows = _rows(stdout, name, "blocking")
+        assert len(rows) == 2 and all(r.endswith("ring" if ring else "socket") for r in rows), rows
+        tput = data["throughput"][name]
+        assert tput["status"] == "ok" and tput["per_second"] > 0 and tput["ring"] is ring, tput
+        assert tput["producer"]["fds_grew"] <= 0 and tput["consumer_fds_grew"] <= 0, tput  # no growth
+    assert set(data["spinning"]) == {"channel-host"}
+    assert data["spinning"]["channel-host"]["ring"] is True
+    assert all(r.endswith("ring") for r in _rows(stdout, "channel-host", "spinning"))
+    th = data["targets"]["throughput"]
+    assert set(th["measured"]) == {"channel-host", "channel-host-socket"}
+    assert set(th["per_mechanism"]) == {"channel-host"}  # the socket path's figure is shown, not judged
+    assert "NO shared-memory ring" not in stdout
+
+
+_HIDE_ATOMIC = """
+import sys
+
+class _Hide:  # the ring's C extension, as if it were not built
+    def find_spec(self, name, path=None, target=None):
+        if name == "dmabuf_interop._atomic":
+            raise ImportError("hidden by the test")
+
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+def test_a_run_without_the_ring_it_asked_for_says_so(tmp_path):
+    """The extension hidden in every process of the run: ``channel-host`` still runs, on the socket alone,
+    and the JSON, stderr, the table and the host verdict all say that these are the socket path's figures."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_HIDE_ATOMIC)
+    err: list[str] = []
+    data, stdout = _bench(tmp_path, "--mechanisms", "channel-host", "--sizes", "4K", "--reps", "2", "--warmup", "1",
+                          extra_env={"PYTHONPATH": f"{site}{os.pathsep}{SRC}"}, stderr=err)
+    ring = data["environment"]["channel_ring"]
+    assert ring["available"] is False and "not built" in ring["reason"], ring
+    entry = data["mechanisms"]["channel-host"]
+    assert entry["status"] == "ok" and entry["ring"] is False and entry["ring_missing"] == ring["reason"], entry
+    assert [c["ring"] for c in entry["cells"]] == [False]
+    tput = data["throughput"]["channel-host"]
+    assert tput["status"] == "ok" and tput["ring"] is False and tput["ring_missing"] == ring["reason"], tput
+    assert "channel-host: WARNING: no shared-memory ring" in err[0]
+    assert "channel-host throughput: WARNING: no shared-memory ring" in err[0]
+    assert f"{'channel-host':<20}{'':>8}  NO shared-memory ring" in stdout
+    assert all(r.endswith("socket") for r in _rows(stdout, "channel-host", "blocking"))

@@ -4,6 +4,10 @@ For each mechanism (:mod:`.catalog`) and size the parent (:mod:`.runner`)
 starts a producer and a consumer (:mod:`.peers`); both create their CUDA
 context and load their kernels (:mod:`.reader`) before anything is timed,
 then hand a buffer over ``--warmup`` + ``--reps`` times (:mod:`.protocol`).
+The channel runs with its shared-memory ring (``channel``, ``channel-host``) and without it
+(``channel-socket``, ``channel-host-socket``: ``ring=False``), and each run's JSON says whether the
+connection used the ring (``Channel.ring``); a run that asked for the ring and did not get it is flagged
+on stderr and in the table, never passed off as the ring's figures.
 ``--consumer-spin`` measures the mechanisms whose consumer can poll before it sleeps
 (:data:`.catalog.SPINNING`: the channels and iceoryx2, :mod:`.iceoryx`) a second time with a spinning
 consumer. Each cell also carries both sides' CPU time per hand-off, and those mechanisms the CPU time
@@ -34,7 +38,7 @@ import time
 from typing import Any, Callable
 
 from .._units import GiB, KiB, MiB, seconds_argument, size_label, word_size_argument
-from .catalog import CUDA_FREE, INSTALL, MECHANISMS, SPINNING
+from .catalog import CHANNELS, CUDA_FREE, INSTALL, MECHANISMS, SPINNING, THROUGHPUT
 from .report import JSON_SCHEMA
 
 __all__ = ["add_arguments", "main", "parse_sizes", "DEFAULT_SIZES"]
@@ -183,6 +187,23 @@ def _note_ignored(args: argparse.Namespace) -> None:
               f"{where if where.startswith('without') else 'to ' + where}; ignored", file=sys.stderr)
 
 
+def _ring_use(name: str, used: bool | None, env: dict[str, Any], progress: Any, label: str) -> dict[str, Any]:
+    """The JSON fields that say whether channel run ``name`` used the shared-memory ring: ``ring`` (``used``;
+    ``None``: nothing reported it), and ``ring_missing`` (why not) where ``name`` asked for the ring and ran on
+    the socket alone, said on stderr too; ``{}`` for other mechanisms. ``error`` where ``name`` refused the
+    ring and the connection uses it all the same."""
+    if name not in CHANNELS or used is None:
+        return {}
+    out: dict[str, Any] = {"ring": used}
+    if CHANNELS[name] and not used:
+        why = env["channel_ring"]["reason"] or "the two ends did not agree on it"
+        out["ring_missing"] = why
+        progress.say(f"{label}: WARNING: no shared-memory ring ({why}): these are the socket path's figures")
+    elif used and not CHANNELS[name]:
+        out["error"] = "listen and connect were given ring=False, yet the connection uses the shared-memory ring"
+    return out
+
+
 def _measure(name: str, cfg: dict[str, Any], runnable: list[str], env: dict[str, Any], progress: Any,
              label: str) -> dict[str, Any]:
     """One mechanism's entry of the JSON ``mechanisms`` (or ``spinning``): run in a fresh pair, or why not."""
@@ -211,6 +232,11 @@ def _measure(name: str, cfg: dict[str, Any], runnable: list[str], env: dict[str,
                 entry[key if key != "idle" else "idle_consumer"] = res[key]
         if name not in CUDA_FREE:
             entry["devices"] = {"producer": cfg["devices"][0], "consumer": cfg["devices"][1]}
+        rings = [c["ring"] for c in res["cells"] if "ring" in c]
+        ring = _ring_use(name, all(rings) if rings else None, env, progress, label)
+        if "error" in ring:
+            entry.update(status="error", reason=ring.pop("error"))
+        entry.update(ring)
         imports = sorted({c["import"] for c in res["cells"] if "import" in c})
         if imports:
             entry["import"] = "; ".join(imports)
@@ -282,12 +308,17 @@ def main(args: argparse.Namespace) -> int:
             results["spinning"][name] = entry
             failed = failed or entry["status"] == "error"
         results["throughput"] = {}
-        for name in ("channel", "channel-host", "iceoryx2"):
+        for name in THROUGHPUT:
             if name in runnable and results["mechanisms"][name].get("status") == "ok":
                 from .throughput import measure
 
                 progress.say(f"{name} throughput: 1 MiB blocks, pipelined")
-                results["throughput"][name] = measure(name, (producer, consumer), timeout=args.timeout)
+                tput = measure(name, (producer, consumer), timeout=args.timeout)
+                ring = _ring_use(name, tput.get("ring"), env, progress, f"{name} throughput")
+                if "error" in ring:
+                    tput = {"status": "error", "reason": ring.pop("error")}
+                    failed = True
+                results["throughput"][name] = {**tput, **ring}
         if cuda_ok and ("posix-fd" in names or "posix-fd-cached" in names):
             progress.say("bandwidth and Python overhead: starting producer and consumer")
             res = run_pair("_bandwidth", cfg, progress)

@@ -77,6 +77,7 @@ def environment() -> dict[str, Any]:
     except OSError:
         env["nvidia_driver"] = None
     env["source"] = _git_revision()
+    env["channel_ring"] = _ring()
     ok, reason = capabilities.driver_status()
     env["cuda"] = {"available": ok, "reason": reason or None}
     if ok:
@@ -86,6 +87,15 @@ def environment() -> dict[str, Any]:
     else:
         env["gpus"] = []
     return env
+
+
+def _ring() -> dict[str, Any]:
+    """Whether this interpreter can offer the channel's shared-memory ring, and why not (the same package
+    runs the benchmark's children)."""
+    from ...channel._ring import ring_unavailable
+
+    why = ring_unavailable()
+    return {"available": why is None, "reason": why}
 
 
 def _git_revision() -> dict[str, Any] | None:

@@ -347,9 +347,15 @@ class ChannelPeer(Peer):
     The consumer's channel gets ``Channel.spin`` (seconds it polls before it sleeps) where the channel
     has the attribute: 0 for a blocking consumer, the configuration's ``spin`` for a spinning one; a
     spinning consumer on a channel without it is a ``NotSupportedError``.
+
+    Both ends pass ``ring=`` :attr:`ring` to ``listen`` / ``connect``; each cell's ``cell`` message says
+    whether the connection uses the shared-memory ring (``Channel.ring``), so a run that asked for the ring
+    and got the socket alone (the extension not built, no memfd seals) is reported as such.
     """
 
     host = False
+    #: Offer the shared-memory ring beside the socket (``False``: the socket alone, as a peer without it).
+    ring = True
     measures_idle = True
 
     def setup(self) -> dict[str, Any]:
@@ -365,7 +371,7 @@ class ChannelPeer(Peer):
             self.pool.empty(1, "uint8")  # the first chunk is exported now, as a server would at start-up
             self.folder = tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-")
             address = os.path.join(self.folder.name, "channel.sock")
-            self.listener = listen(address, pool=self.pool)
+            self.listener = listen(address, pool=self.pool, ring=self.ring)
             send_message(self.pc, make("channel", address=address))
         else:
             self.address = check(recv_message(self.pc, self.timeout, max_fds=0)[0], "channel")["address"]
@@ -378,7 +384,7 @@ class ChannelPeer(Peer):
     def cell(self, size: int) -> None:
         super().cell(size)
         if self.role == "producer":
-            self.ring = [self.pool.empty(size, "uint8", timeout=self.timeout) for _ in range(CACHED_RING)]
+            self.blocks = [self.pool.empty(size, "uint8", timeout=self.timeout) for _ in range(CACHED_RING)]
             self.leases: list[Any] = [None] * CACHED_RING
 
     def produce(self, rep: int) -> dict[str, Any]:
@@ -388,7 +394,7 @@ class ChannelPeer(Peer):
         t0 = now()
         if self.ch is None:  # the first hand-off: accept, handshake, the chunk's fd, then the block
             self.ch = self.listener.accept(timeout=self.timeout)
-        self.leases[slot] = self.ch.send(self.ring[slot], timeout=self.timeout)
+        self.leases[slot] = self.ch.send(self.blocks[slot], timeout=self.timeout)
         return {"t": [t0, t0, t0]}
 
     def consume(self, rep: int) -> dict[str, Any]:
@@ -397,7 +403,8 @@ class ChannelPeer(Peer):
         if self.ch is None:
             from ...channel import connect
 
-            self.ch = connect(self.address, timeout=self.timeout, device=None if self.host else self.consumer_device)
+            self.ch = connect(self.address, timeout=self.timeout, device=None if self.host else self.consumer_device,
+                              ring=self.ring)
             spin = float(self.cfg.get("spin", 0))
             if hasattr(self.ch, "spin"):
                 self.ch.spin = spin
@@ -432,8 +439,8 @@ class ChannelPeer(Peer):
             for lease in self.leases:
                 if lease is not None:
                     lease.wait(self.timeout)
-            del self.ring, self.leases  # the blocks go back to the pool
-        return {}
+            del self.blocks, self.leases  # the blocks go back to the pool
+        return {"ring": bool(getattr(self.ch, "ring", False))}  # a channel without the attribute has no ring
 
     def close(self) -> None:
         for name in ("ch", "listener", "pool"):
@@ -448,6 +455,18 @@ class ChannelHostPeer(ChannelPeer):
 
     uses_cuda = False
     host = True
+
+
+class ChannelSocketPeer(ChannelPeer):
+    """:class:`ChannelPeer` with the shared-memory ring refused: the socket alone."""
+
+    ring = False
+
+
+class ChannelHostSocketPeer(ChannelHostPeer):
+    """:class:`ChannelHostPeer` with the shared-memory ring refused: the socket alone."""
+
+    ring = False
 
 
 class TorchIpc(Peer):
@@ -646,6 +665,8 @@ PEERS: dict[str, type[Peer]] = {
     "memfd": MemfdPeer,
     "channel": ChannelPeer,
     "channel-host": ChannelHostPeer,
+    "channel-socket": ChannelSocketPeer,
+    "channel-host-socket": ChannelHostSocketPeer,
     "torch-ipc": TorchIpc,
     "cuda-core-ipc": CudaCoreIpc,
     "cupy-ipc": CupyIpc,

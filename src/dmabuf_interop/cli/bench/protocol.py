@@ -25,7 +25,8 @@ first      child -> parent  t: the stamps of the run's very first hand-off (firs
                             before the first cell's ``rec`` s
 cell       child -> parent  size, import? (the consumer's import status), cpu? (``loop_ns``: process
                             CPU time over the timed repetitions, ``handoff_ns``: the part inside
-                            produce / consume); after its ``rec`` s
+                            produce / consume), ring? (the channels: whether the connection uses
+                            the shared-memory ring, ``Channel.ring``); after its ``rec`` s
 idle       child -> parent  cpu_ns, wall_ns: the consumer's process CPU time while it waited with
                             nothing sent, after the last cell
 bw         child -> parent  result: one size of the bandwidth pass
@@ -78,7 +79,7 @@ SPEC: dict[str, dict[str, Any]] = {
     "hello": {"role": str, "status": str, "reason?": (str, type(None)), "versions?": dict, "pid?": int},
     "rec": {"t": list, "steps?": dict, "first_share?": bool},
     "first": {"t": list},
-    "cell": {"size": int, "import?": str, "cpu?": dict},
+    "cell": {"size": int, "import?": str, "cpu?": dict, "ring?": bool},
     "idle": {"cpu_ns?": int, "wall_ns?": int},
     "bw": {"result": dict},
     "overhead": {"result": dict},

@@ -44,22 +44,27 @@ def _cpu_table(results: dict[str, Any], w: Any) -> None:
         return
     spin = results["config"].get("consumer_spin") or 0
     w(f"\nhand-off (total) median and p99, us; CPU us per hand-off of each side's process over the timed "
-      f"repetitions (in parentheses: inside send / recv, a consumer's wait included); consumer blocking"
+      f"repetitions (in parentheses: inside send / recv, a consumer's wait included); path: a channel's "
+      f"shared-memory ring or its socket alone; consumer blocking"
       + (f", or spinning up to {spin * 1e6:g} us before it sleeps" if spinning else "") + ":\n")
-    w(f"{'mechanism':<16}{'consumer':>9}{'size':>8}{'median':>9}{'p99':>9}{'CPU producer':>16}{'CPU consumer':>16}\n")
+    w(f"{'mechanism':<20}{'consumer':>9}{'size':>8}{'median':>9}{'p99':>9}{'CPU producer':>16}{'CPU consumer':>16}"
+      f"{'path':>8}\n")
     for name, mode, m in runs:
         if m["status"] != "ok" and not m.get("cells"):
-            w(f"{name:<16}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
+            w(f"{name:<20}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
             continue
         for c in m["cells"]:
             st = c["phases_us"].get("total") or c["phases_us"]["export_transport"]
             cpu = c.get("cpu_us_per_handoff") or {}
             sides = [f"{fmt(cpu[s]['loop'])} ({fmt(cpu[s]['handoff'])})" if s in cpu else "-"
                      for s in ("producer", "consumer")]
-            w(f"{name:<16}{mode:>9}{c['label']:>8}{fmt(st['median']):>9}{fmt(st['p99']):>9}"
-              f"{sides[0]:>16}{sides[1]:>16}\n")
+            path = "" if "ring" not in c else "ring" if c["ring"] else "socket"
+            w(f"{name:<20}{mode:>9}{c['label']:>8}{fmt(st['median']):>9}{fmt(st['p99']):>9}"
+              f"{sides[0]:>16}{sides[1]:>16}{path:>8}\n".rstrip() + "\n")
         if m["status"] != "ok":
-            w(f"{name:<16}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
+            w(f"{name:<20}{mode:>9}  {m['status']}: {m.get('reason') or ''}\n")
+        if m.get("ring_missing"):
+            w(f"{name:<20}{mode:>9}  NO shared-memory ring ({m['ring_missing']}): the socket path's figures\n")
     idle = [f"{name} {mode} {m['idle_consumer']['cpu_pct']:g}%" for name, mode, m in runs if m.get("idle_consumer")]
     if idle:
         wall = next(m["idle_consumer"]["wall_s"] for _, _, m in runs if m.get("idle_consumer"))
@@ -79,13 +84,13 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
       f"median/p90 in microseconds\n\n")
     cols = ("export", "transport", "import_map", "first_access", "total")
     heads = ("export", "transport", "import+map", "1st access", "total")
-    w(f"{'mechanism':<16}{'size':>8}  " + "".join(f"{h:>15}" for h in heads) + "\n")
+    w(f"{'mechanism':<20}{'size':>8}  " + "".join(f"{h:>15}" for h in heads) + "\n")
     for name, m in results["mechanisms"].items():
         if m["status"] != "ok" and not m.get("cells"):
-            w(f"{name:<16}{'':>8}  {m['status']}: {m.get('reason') or ''}\n")
+            w(f"{name:<20}{'':>8}  {m['status']}: {m.get('reason') or ''}\n")
             continue
         for cell in m["cells"]:
-            row = f"{name:<16}{cell['label']:>8}  "
+            row = f"{name:<20}{cell['label']:>8}  "
             for col in cols:
                 st = cell["phases_us"].get(col)
                 if st is None and col in ("import_map", "first_access"):
@@ -97,10 +102,12 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
                     row += f"{fmt(st['median']) + '/' + fmt(st['p90']):>15}" if st else f"{'-':>15}"
             w(row.rstrip() + "\n")
         if m["status"] != "ok":
-            w(f"{name:<16}{'':>8}  {m['status']}: {m.get('reason') or ''}\n")
+            w(f"{name:<20}{'':>8}  {m['status']}: {m.get('reason') or ''}\n")
+        if m.get("ring_missing"):
+            w(f"{name:<20}{'':>8}  NO shared-memory ring ({m['ring_missing']}): the socket path's figures\n")
         notes = sorted({c["import"] for c in m["cells"] if c.get("import") and c["import"] != "ok"})
         for note in notes:
-            w(f"{'':<16}{'':>8}  import {note}; total in parentheses is export+transport only\n")
+            w(f"{'':<20}{'':>8}  import {note}; total in parentheses is export+transport only\n")
     _cpu_table(results, w)
     bw = results.get("bandwidth") or {}
     if bw.get("sizes"):
@@ -169,7 +176,8 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
       f"{_verdict(po['met'])}  {detail}\n")
     cl = t["channel"]
     detail = ", ".join(f"{x['label']} {x['ratio']:.2f}x (p99 {x['p99_over_median']:.1f}x median)"
-                       for x in cl["per_size"]) or cl.get("note", "")
+                       for x in cl["per_size"])
+    detail = "; ".join(d for d in (detail, cl.get("note")) if d)
     w(f"  channel <= {CHANNEL_RATIO:g} x torch-ipc, p99 <= {CHANNEL_TAIL:g} x median: {_verdict(cl['met'])}  {detail}\n")
     fh = t.get("first_handoff")
     if fh:

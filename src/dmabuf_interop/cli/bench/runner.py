@@ -49,7 +49,9 @@ def _stat(values: list[float]) -> dict[str, float] | None:
 def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]],
                info: dict[str, Any], cpu: dict[str, dict[str, int] | None] | None = None) -> dict[str, Any]:
     """One cell of the JSON from the producer's and consumer's ``rec`` messages (µs), and from each side's
-    CPU time over the cell (``cpu``: role -> the ``cell`` message's ``cpu``) its CPU µs per hand-off."""
+    CPU time over the cell (``cpu``: role -> the ``cell`` message's ``cpu``) its CPU µs per hand-off.
+    ``info``: the two ``cell`` messages' other fields (``import``, and ``ring``: whether a channel used its
+    shared-memory ring), copied into the cell."""
     samples: dict[str, list[float]] = {p: [] for p in PHASES}
     for p, c in zip(prod, cons):
         t0, t_exp, t_send = p["t"]
@@ -82,6 +84,8 @@ def cell_stats(size: int, prod: list[dict[str, Any]], cons: list[dict[str, Any]]
         cell["first_share_reps"] = sum(1 for c in cons if c.get("first_share"))
     if "import" in info:
         cell["import"] = info["import"]
+    if "ring" in info:
+        cell["ring"] = info["ring"]
     reps = len(samples["export"])
     if cpu and reps and all(cpu.values()):
         cell["cpu_us_per_handoff"] = {side: {"loop": round(c["loop_ns"] / reps / 1e3, 2),
@@ -208,7 +212,9 @@ def _dispatch(name: str, role: str, msg: dict[str, Any], roles: dict[str, _Role]
                 st.error = f"{role}: {len(prod[0])} producer records against {len(cons[0])} consumer records"
                 return
             cpu = {"producer": prod[1].pop("cpu", None), "consumer": cons[1].pop("cpu", None)}
-            cell = cell_stats(size, prod[0], cons[0], {**prod[1], **cons[1]}, cpu)
+            rings = [m.pop("ring") for m in (prod[1], cons[1]) if "ring" in m]
+            info = {**prod[1], **cons[1], **({"ring": all(rings)} if rings else {})}  # the ring only if both use it
+            cell = cell_stats(size, prod[0], cons[0], info, cpu)
             out["cells"].append(cell)
             total = cell["phases_us"]["total"] or cell["phases_us"]["export_transport"]
             what = "total" if cell["phases_us"]["total"] else "export+transport (no import)"

@@ -8,8 +8,10 @@ separate processes started here (:mod:`.child`).
 
 Growth is reported beside the rate: each process's open fds, and for a device pool the free
 device memory (``cuMemGetInfo``), after :data:`WARMUP` hand-offs and after the last; and the
-producer's pool capacity against the bytes live (the ring), whose difference is the pool's
-overhead.
+producer's pool capacity against the bytes live (the blocks lent), whose difference is the pool's
+overhead. Both ends pass ``ring=`` to ``listen`` / ``connect`` as the mechanism says
+(:data:`~.catalog.CHANNELS`: ``channel-socket`` and ``channel-host-socket`` refuse the shared-memory
+ring) and report whether their connection used it (``Channel.ring``).
 
 iceoryx2 (:mod:`.iceoryx`) the same way: the publisher loans, sends and notifies ``size``-byte samples
 with up to :data:`IN_FLIGHT` queued at the subscriber (a full queue holds the publisher back:
@@ -28,6 +30,7 @@ import time
 from typing import Any
 
 from ...fdpass import recv_message
+from .catalog import CHANNELS, CUDA_FREE
 from .child import finish, report, serve, start
 
 #: Blocks lent at once.
@@ -38,12 +41,14 @@ WARMUP = 1000
 
 def measure(mechanism: str, devices: tuple[int, int], count: int = 100_000, size: int = 1 << 20,
             timeout: float = 120.0) -> dict[str, Any]:
-    """Run one producer and one consumer of ``mechanism`` (``channel``, ``channel-host`` or ``iceoryx2``);
-    ``{"status", "per_second", "count", "size", ...}``, or ``{"status": "error", "reason"}``."""
+    """Run one producer and one consumer of ``mechanism`` (one of :data:`~.catalog.CHANNELS`, or ``iceoryx2``);
+    ``{"status", "per_second", "count", "size", ...}`` (a channel's with ``ring``: both ends' connections
+    used the shared-memory ring), or ``{"status": "error", "reason"}``."""
     iceoryx = mechanism == "iceoryx2"
     role = "iceoryx2-" if iceoryx else ""
     with tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-") as tmp:
-        cfg = {"address": os.path.join(tmp, "tput.sock"), "host": mechanism != "channel", "devices": list(devices),
+        cfg = {"address": os.path.join(tmp, "tput.sock"), "host": mechanism in CUDA_FREE, "devices": list(devices),
+               "ring": CHANNELS.get(mechanism, False),
                "count": count, "size": size, "timeout": timeout,
                "service": f"dmabuf-interop-bench/{os.getpid()}/throughput"}
         producer = start("throughput", role + "producer", cfg)
@@ -71,6 +76,9 @@ def measure(mechanism: str, devices: tuple[int, int], count: int = 100_000, size
         out = {"status": "ok", **consumed["result"]}
         if produced.get("status") == "ok":
             out["producer"] = produced["result"]
+            producer_ring = out["producer"].pop("ring", None)
+            if "ring" in out:  # the ring only if both ends' connections use it
+                out["ring"] = bool(out["ring"] and producer_ring)
         return out
 
 
@@ -94,7 +102,8 @@ def _producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socke
     size, n = cfg["size"], cfg["count"]
     room = (IN_FLIGHT + 2) * size
     with SharedPool(None if cfg["host"] else cfg["devices"][0], chunk_bytes=min(64 << 20, room),
-                    max_bytes=room + (64 << 20)) as pool, listen(cfg["address"], pool=pool) as listener:
+                    max_bytes=room + (64 << 20)) as pool, \
+            listen(cfg["address"], pool=pool, ring=cfg["ring"]) as listener:
         report(ctl, {"ready": True})
         ch = listener.accept(timeout=cfg["timeout"])
         ring = [pool.empty(size, "uint8", timeout=cfg["timeout"]) for _ in range(IN_FLIGHT)]
@@ -115,7 +124,7 @@ def _producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socke
         result = {"fds_grew": _fds() - at["fds"],
                   "free_device_memory_fell": None if free is None else at["free"] - free,
                   "pool_capacity": pool.capacity, "live_bytes": IN_FLIGHT * round_up(size, ALIGN),
-                  "chunk_bytes": pool.chunk_bytes}
+                  "chunk_bytes": pool.chunk_bytes, "ring": ch.ring}
         ch.close()
     return result
 
@@ -124,7 +133,8 @@ def _consumer(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.sock
     from ...channel import connect
 
     n = cfg["count"]
-    with connect(cfg["address"], timeout=cfg["timeout"], device=None if cfg["host"] else cfg["devices"][1]) as ch:
+    with connect(cfg["address"], timeout=cfg["timeout"], device=None if cfg["host"] else cfg["devices"][1],
+                 ring=cfg["ring"]) as ch:
         t0 = 0.0
         fds0 = 0
         for i in range(n):
@@ -134,8 +144,9 @@ def _consumer(cfg: dict[str, Any], _ctl: socket.socket, _socks: list[socket.sock
             ch.recv(cfg["timeout"]).release()
         elapsed = time.perf_counter() - t0
         fds_grew = _fds() - fds0
+        ring = ch.ring
     return {"per_second": round((n - WARMUP) / elapsed), "count": n - WARMUP, "size": cfg["size"],
-            "in_flight": IN_FLIGHT, "host": cfg["host"], "consumer_fds_grew": fds_grew}
+            "in_flight": IN_FLIGHT, "host": cfg["host"], "consumer_fds_grew": fds_grew, "ring": ring}
 
 
 def _iceoryx2_producer(cfg: dict[str, Any], ctl: socket.socket, _socks: list[socket.socket]) -> dict[str, Any]:
