@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmabuf_interop.channel import ArrayDescriptor, SharedPool, connect, listen, parse_message
-from dmabuf_interop.channel.protocol import DTYPES, PROTOCOL_VERSION, host_boot_id
-from dmabuf_interop.channel.wire import recv_frame, send_frame
+from dmabuf_interop.channel.protocol import DTYPES
+from dmabuf_interop.channel.wire import send_frame
 from dmabuf_interop.errors import ProtocolError
 from dmabuf_interop.fdpass import send_message
+from tests.helpers.channels import hand_written_listener
 
 GOOD = {"chunk": 1, "block_offset": 256, "block_bytes": 1024, "byte_offset": 8, "shape": [4, 3],
         "strides": [24, 8], "dtype": "float64", "ordering": "none", "event": None, "name": None, "meta": {"a": 1}}
@@ -103,28 +104,8 @@ def test_fuzz_messages_only_protocol_errors(msg: dict) -> None:
 # --- a hostile listener: it completes the handshake, then misbehaves --------------------------------
 
 def hostile(addr: str, script) -> threading.Thread:
-    import socket
-
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(addr)
-    srv.listen(1)
-
-    def run() -> None:
-        conn, _ = srv.accept()
-        srv.close()
-        send_frame(conn, {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": "x", "boot_id": host_boot_id(),
-                          "gpus": [], "pid": os.getpid(), "ring": None})
-        recv_frame(conn, 10)
-        script(conn)
-        try:
-            recv_frame(conn, 10)  # the victim hangs up
-        except Exception:  # noqa: BLE001
-            pass
-        conn.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    """A listener that completes the handshake (offering no ring), then runs ``script(conn)``."""
+    return hand_written_listener(addr, lambda conn, _rings: script(conn), ring=None, make=False)
 
 
 def desc(**kw) -> dict:

@@ -29,11 +29,12 @@ from dmabuf_interop.channel import _lending as lending_module
 from dmabuf_interop.channel import _releases as releases_module
 from dmabuf_interop.channel import rendezvous, wire
 from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings
-from dmabuf_interop.channel.protocol import PROTOCOL_VERSION, host_boot_id
+from dmabuf_interop.channel.protocol import PROTOCOL_VERSION
 from dmabuf_interop.channel.wire import recv_frame, send_frame
-from dmabuf_interop.errors import ForkedResourceError, InvalidArgumentError, ProtocolError, WaitTimeoutError
+from dmabuf_interop.errors import (ForkedResourceError, InvalidArgumentError, PeerClosedError, ProtocolError,
+                                   WaitTimeoutError)
 from tests.helpers.bounded import bounded, child, error, reap, result
-from tests.helpers.channels import connect_in_thread
+from tests.helpers.channels import connect_in_thread, hand_written_listener
 
 pytestmark = pytest.mark.ring
 
@@ -199,43 +200,6 @@ def test_a_hello_says_whether_the_ring_is_offered(tmp_path: Path) -> None:
 # --- a forged peer ------------------------------------------------------------------------------------------
 
 
-def _forger(addr: str, script: Callable[[socket.socket, Rings | None], None], ring: Any = 1,
-            make: bool = True) -> threading.Thread:
-    """A listener written by hand: hello offering ``ring``, the peer's hello and ring message read (its fds
-    closed), then ``script(conn, rings)`` with a real region of its own (``make``) to forge in."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(addr)
-    srv.listen(1)
-
-    def run() -> None:
-        conn, _ = srv.accept()
-        srv.close()
-        send_frame(conn, {"kind": "hello", "protocol": PROTOCOL_VERSION, "library": "x", "boot_id": host_boot_id(),
-                          "gpus": [], "pid": os.getpid(), "ring": ring})
-        hello, _ = recv_frame(conn, 10)
-        rings = None
-        if hello["ring"] == 1 and ring == 1:
-            offer, fds = fdpass.recv_message(conn, 10, max_fds=2)
-            rings = Rings(4, 4) if make else None
-            if rings is not None:
-                rings.attach(offer, fds)
-            fdpass.close_fds(fds)
-        try:
-            script(conn, rings)
-            try:
-                recv_frame(conn, 10)  # the victim hangs up
-            except Exception:  # noqa: BLE001
-                pass
-        finally:
-            conn.close()
-            if rings is not None:
-                rings.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def _send_offer(conn: socket.socket, rings: Rings, fds: list[int] | None = None, **changes: Any) -> None:
     msg, own = rings.offer()
     fdpass.send_message(conn, {**msg, **changes}, own if fds is None else fds, max_bytes=1 << 20)
@@ -313,7 +277,7 @@ def test_a_forged_ring_ends_the_connection_with_protocol_error(tmp_path: Path, n
                                                                text: str) -> None:
     addr = str(tmp_path / "f.sock")
     start = _fds()
-    t = _forger(addr, script)
+    t = hand_written_listener(addr, script)
     with connect(addr, timeout=10) as ch:
         assert ch.ring
         with pytest.raises(ProtocolError, match=text):
@@ -332,7 +296,7 @@ def test_a_ring_message_not_negotiated_is_refused(tmp_path: Path) -> None:
         with Rings(4, 4) as r:
             _send_offer(conn, r)
 
-    t = _forger(addr, script, ring=None)
+    t = hand_written_listener(addr, script, ring=None)
     with connect(addr, timeout=10) as ch:
         assert not ch.ring
         with pytest.raises(ProtocolError, match="not negotiated"):
@@ -352,7 +316,7 @@ def test_a_forged_release_in_the_ring_ends_a_producer_at_its_next_send(tmp_path:
         rings.push_releases([424242])
         lent.set()
 
-    t = _forger(addr, script)
+    t = hand_written_listener(addr, script)
     with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool, connect(addr, timeout=10, pool=pool) as ch:
         ch.send(np.arange(4))
         assert lent.wait(10)
@@ -487,7 +451,9 @@ def test_sigkill_of_the_consumer_at_a_random_point_completes_every_lease(tmp_pat
 
 
 def _fd_kinds(skip_pool: bool = False) -> dict[str, int]:
-    """This process's fds by kind: ``socket``, ``pipe``, ``eventfd``, a memfd by its name, else the path."""
+    """This process's fds by kind: ``socket``, ``pipe``, ``eventfd``, a memfd by its name, else the path
+    (after a collection, as :func:`_fds`)."""
+    gc.collect()
     out: collections.Counter[str] = collections.Counter()
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -534,6 +500,8 @@ def test_connect_and_accept_hand_out_a_channel_that_holds_all_its_fds(tmp_path: 
                 for _ in range(40):
                     ch.recv(10).release()
                 after = _fd_kinds(skip_pool=True)
+                with pytest.raises(PeerClosedError):  # the producer counts its fds before this end may go
+                    ch.recv(30)
             return {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made)}
 
         before = _fd_kinds(skip_pool=True)
@@ -548,10 +516,11 @@ def test_connect_and_accept_hand_out_a_channel_that_holds_all_its_fds(tmp_path: 
         for lease in leases:
             lease.wait(10)
         after = _fd_kinds(skip_pool=True)
+        ring = ch.ring
+        ch.close()  # (the consumer waits for it: an end that closes first ends this connection, and its fds)
         got = result(rfd, 30)
         reap(pid)
-        out = {"ring": ch.ring, "made": _minus(made, before), "grew": _minus(after, made), "consumer": got}
-        ch.close()
+        out = {"ring": ring, "made": _minus(made, before), "grew": _minus(after, made), "consumer": got}
         lst.close()
         pool.close()
         return out
