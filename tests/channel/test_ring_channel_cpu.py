@@ -257,7 +257,7 @@ def _torn_slot(conn: socket.socket, rings: Rings) -> None:
     _send_offer(conn, rings)
     time.sleep(0.05)
     _atomic.store_seq(rings._mine, OUT_TAIL, 1)  # a tail that says published, over a slot never written (seq 0)
-    os.eventfd_write(rings._peer_wake, 1)  # (the victim sleeps: wake it, as a publish would)
+    rings._peer_wake.send(b"\1")  # (the victim sleeps: wake it, as a publish would)
 
 
 @pytest.mark.parametrize("name, script, text", [
@@ -275,17 +275,63 @@ def _torn_slot(conn: socket.socket, rings: Rings) -> None:
 ])
 def test_a_forged_ring_ends_the_connection_with_protocol_error(tmp_path: Path, name: str, script: Any,
                                                                text: str) -> None:
+    """A bad first message (the ring message) fails the handshake: ``connect`` raises. A forgery after it
+    ends the connection at the next ``recv``."""
     addr = str(tmp_path / "f.sock")
     start = _fds()
     t = hand_written_listener(addr, script)
-    with connect(addr, timeout=10) as ch:
-        assert ch.ring
+    if name in _AT_HANDSHAKE:
         with pytest.raises(ProtocolError, match=text):
-            ch.recv(5)
-        assert ch.closed
-        assert ch.protocol_state.end_reason.value == "protocol-error"
+            connect(addr, timeout=10)
+    else:
+        with connect(addr, timeout=10) as ch:
+            assert ch.ring
+            with pytest.raises(ProtocolError, match=text):
+                ch.recv(5)
+            assert ch.closed
+            assert ch.protocol_state.end_reason.value == "protocol-error"
     t.join(10)
     assert _fds() == start
+
+
+_AT_HANDSHAKE = {"pipes for fds", "an unsealed memfd", "a wrong size", "one fd", "no ring message first"}
+
+
+def test_a_connector_whose_ring_message_is_bad_is_refused_by_the_listener(tmp_path: Path) -> None:
+    """The listener's side: the handshake fails (counted in ``refused``, raised by ``accept(raise_refused=True)``),
+    no channel is handed out, and the listener serves the next consumer."""
+    addr = str(tmp_path / "r.sock")
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool, listen(addr, pool=pool) as lst:
+        start = _fds()
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+        def bad_connector() -> None:  # (the listener takes the connection inside accept())
+            raw.connect(addr)
+            theirs, _ = recv_frame(raw, 10)
+            send_frame(raw, {**theirs, "pid": os.getpid()})  # the listener's own hello back: ring 1 offered
+            _, fds = fdpass.recv_message(raw, 10, max_fds=2)  # the listener's ring message
+            fdpass.close_fds(fds)
+            r, w = os.pipe()
+            with Rings(4, 4) as mine:
+                msg, _ = mine.offer()
+                fdpass.send_message(raw, msg, [r, w])  # pipes, not a memfd and a wake socket
+            os.close(r)
+            os.close(w)
+
+        t = threading.Thread(target=bad_connector, daemon=True)
+        t.start()
+        with pytest.raises(ProtocolError, match="not a memfd"):
+            lst.accept(10, raise_refused=True)
+        t.join(10)
+        assert lst.refused == 1
+        raw.close()
+        t, out = connect_in_thread(addr, timeout=10)
+        ch = lst.accept(10)
+        t.join(10)
+        assert out.get("ok") and ch.ring and out["channel"].ring, out
+        out["channel"].close()
+        ch.close()
+        assert _fds() == start
 
 
 def test_a_ring_message_not_negotiated_is_refused(tmp_path: Path) -> None:
@@ -477,13 +523,13 @@ def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
 
 
-#: What a channel with the ring holds: its socket, its region's memfd and eventfd, and the peer's eventfd (the
-#: peer's memfd is mapped, then closed).
-_RING_CHANNEL_FDS = {"/memfd:dmabuf-interop-ring": 1, "eventfd": 2, "socket": 1}
+#: What a channel with the ring holds: its socket, its region's memfd, its wake socketpair and a duplicate of the
+#: peer's wake socket (the peer's memfd is mapped, then closed).
+_RING_CHANNEL_FDS = {"/memfd:dmabuf-interop-ring": 1, "socket": 4}
 
 
 def test_connect_and_accept_hand_out_a_channel_that_holds_all_its_fds(tmp_path: Path) -> None:
-    """Both ends hold every fd of the connection (the peer's eventfd too) when ``connect`` returns and when
+    """Both ends hold every fd of the connection (the peer's wake socket too) when ``connect`` returns and when
     ``accept`` hands the channel out: hand-offs and releases through the ring add none (a producer that only
     sends used to attach the consumer's ring in its reader, some time after its first send)."""
     addr = str(tmp_path / "a.sock")
@@ -715,3 +761,68 @@ def test_the_queue_bound_parks_ring_slots_then_the_socket_fills(tmp_path: Path, 
             assert got == [lz.id for lz in leases]  # lease ids: the order the producer lent them in
             for lz in leases:
                 lz.wait(5)
+
+
+# --- the wake fd: its flags are not the peer's to turn against this end (Note [the wake fd] in _ring) -------
+
+
+def test_a_peer_that_makes_its_wake_socket_blocking_cannot_hang_recv(tmp_path: Path) -> None:
+    """The forger clears ``O_NONBLOCK`` on the wake fd the victim gave it (a shared open file description)
+    and wakes the victim while it sleeps: ``recv`` still ends at its timeout. (With an eventfd, the victim's
+    drain of an empty, now blocking, counter waited forever.)"""
+    addr = str(tmp_path / "w.sock")
+
+    def script(conn: socket.socket, rings: Rings) -> None:
+        _send_offer(conn, rings)
+        rings._peer_wake.setblocking(True)  # the victim's end as the forger holds it
+        time.sleep(0.5)  # the victim sleeps in recv by now
+        rings._peer_wake.send(b"\1")
+
+    t = hand_written_listener(addr, script)
+    with connect(addr, timeout=10) as ch:
+        assert ch.ring
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeoutError):
+            ch.recv(2)
+        assert time.monotonic() - t0 < 5
+    t.join(10)
+
+
+def test_a_peer_that_fills_its_wake_socket_and_makes_it_blocking_cannot_hang_send(tmp_path: Path) -> None:
+    """The forger says it sleeps, fills its own wake socket and clears ``O_NONBLOCK`` on the end it gave the
+    victim: the victim's sends through the ring still return at once (``send(MSG_DONTWAIT)``; with an
+    eventfd at its maximum count, the wake-up's write waited forever under the send lock)."""
+    from dmabuf_interop import _atomic
+    from dmabuf_interop.channel._ring import ASLEEP
+
+    addr = str(tmp_path / "s.sock")
+    ready, done = threading.Event(), threading.Event()
+
+    def script(conn: socket.socket, rings: Rings) -> None:
+        _send_offer(conn, rings)
+        _atomic.store_seq(rings._mine, ASLEEP, 1)
+        try:
+            while True:
+                rings._for_peer.send(b"x", socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        rings._for_peer.setblocking(True)
+        ready.set()
+        done.wait(30)  # reading nothing meanwhile: the victim's socket messages wait in the buffer
+
+    t = hand_written_listener(addr, script)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        block = pool.empty(64, "int64")
+        with connect(addr, timeout=10, pool=pool) as ch:
+            assert ch.ring and ready.wait(10)
+            pushes = ch._rings._out_tail
+            t0 = time.monotonic()
+            try:
+                for _ in range(4):  # a definition by the socket, then repeats through the ring, each waking the forger
+                    ch.send(block, timeout=2)
+                assert time.monotonic() - t0 < 2
+                assert ch._rings._out_tail - pushes == 3 and ch.protocol_state.lent == 4
+            finally:
+                done.set()
+        del block
+    t.join(10)

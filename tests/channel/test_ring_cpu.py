@@ -1,4 +1,4 @@
-"""The shared-memory ring primitive (``channel._ring``) and its C atomics, on real memfds, eventfds, sockets,
+"""The shared-memory ring primitive (``channel._ring``) and its C atomics, on real memfds, sockets,
 forks and processes.
 
 A "forged peer" is a region this test writes at will: a memfd mapped writable before its seals (as an owner
@@ -82,7 +82,9 @@ class ForgedPeer:
         struct.pack_into("<8sIIII", self.map, 0, *(header or (MAGIC, 1, SLOT_BYTES, slots, release_slots)))
         if seals:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
-        self.wake = wake if wake is not None else os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        # The wake socket the victim gets (one end of a datagram socketpair; this test keeps the other).
+        self.pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.wake = wake if wake is not None else self.pair[1].fileno()
         self.msg = {"kind": "ring", "version": 1, "bytes": self.nbytes, "slots": slots,
                     "release_slots": release_slots}
         self.fds = [self.fd, self.wake]
@@ -108,7 +110,8 @@ class ForgedPeer:
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
-        os.close(self.wake)
+        for sock in self.pair:
+            sock.close()
 
 
 @pytest.fixture
@@ -428,7 +431,7 @@ def _pause(rnd: random.Random) -> None:
 
 def _stress_child(sock: socket.socket, n: int, seed: int) -> int:
     """Producer: pushes n slots with random short pauses, waits for every lease back through the release
-    ring (sleeping on its eventfd). Returns the number of waits that timed out."""
+    ring (sleeping on its wake socket). Returns the number of waits that timed out."""
     rnd = random.Random(seed)
     timeouts = 0
     deadline = time.monotonic() + 120
@@ -753,12 +756,13 @@ def test_forged_fds_are_protocol_errors(forged, tmp_path):
     s1, s2 = socket.socketpair()
     plain = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     os.ftruncate(plain, good.nbytes)
-    blocking = os.eventfd(0, os.EFD_CLOEXEC)
+    eventfd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    unconnected = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     epoll = select.epoll()
     closed = os.dup(plain)
     os.close(closed)
     bad_regions = {
-        "a pipe": r_pipe, "a socket": s1.fileno(), "a regular file": plain, "an eventfd": good.wake,
+        "a pipe": r_pipe, "a socket": s1.fileno(), "a regular file": plain, "an eventfd": eventfd,
         "a closed fd": closed,
         "no seals": forged(seals=0).fd,
         "no FUTURE_WRITE": forged(seals=fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK).fd,
@@ -770,7 +774,8 @@ def test_forged_fds_are_protocol_errors(forged, tmp_path):
         "other slot size": forged(header=(MAGIC, 1, 64, 4, 8)).fd,
         "other version": forged(header=(MAGIC, 2, 128, 4, 8)).fd,
     }
-    bad_wakes = {"a pipe": w_pipe, "a socket": s2.fileno(), "a memfd": good.fd, "a blocking eventfd": blocking,
+    bad_wakes = {"a pipe": w_pipe, "a stream socket": s2.fileno(), "a memfd": good.fd, "an eventfd": eventfd,
+                 "an unconnected datagram socket": unconnected.fileno(),
                  "an epoll fd": epoll.fileno(), "a regular file": plain, "a closed fd": closed, "not an int": "3"}
     try:
         before = open_fds()
@@ -793,12 +798,13 @@ def test_forged_fds_are_protocol_errors(forged, tmp_path):
             r.attach(good.msg, good.fds)
             with pytest.raises(ProtocolError, match="second"):
                 r.attach(good.msg, good.fds)
-        assert _readable(blocking) is False
+        assert _readable(eventfd) is False  # refused, never written
     finally:
-        for fd in (r_pipe, w_pipe, plain, blocking):
+        for fd in (r_pipe, w_pipe, plain, eventfd):
             os.close(fd)
         s1.close()
         s2.close()
+        unconnected.close()
         epoll.close()
 
 
@@ -833,7 +839,7 @@ def test_the_peer_cannot_write_our_region():
 
 # --- waking ----------------------------------------------------------------------------------------------
 
-def test_the_eventfd_is_rung_only_when_the_peer_said_it_sleeps():
+def test_the_wake_socket_is_rung_only_when_the_peer_said_it_sleeps():
     a, b = _pair(4, 8, 4, 8)
     try:
         assert a.try_push(RingSlot(0, 1, 1, "sync", None))
@@ -923,7 +929,7 @@ def test_close_returns_every_fd_and_mapping():
     before = open_fds()
     for _ in range(3):
         a, b = _pair(4, 8, 4, 8)
-        assert len(open_fds()) == len(before) + 6  # memfd + eventfd each, and a dup of the other's eventfd
+        assert len(open_fds()) == len(before) + 8  # memfd + wake socketpair each, and a dup of the other's wake end
         a.try_push(RingSlot(0, 1, 1, "sync", None))
         b.take()
         a.close()
@@ -944,14 +950,14 @@ def test_errors_name_the_syscall():
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     before = open_fds()
-    for last_free in (0, 1):  # no fd left at all; one left (the memfd), none for the eventfd
+    for last_free in (0, 1):  # no fd left at all; one left (the memfd), none for the wake socketpair
         top = max(before)
         fillers = [os.dup(0) for _ in range(top + 1 - len(before))]  # no hole below top: the next fd is top + 1
         resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + last_free, hard))
         try:
             with pytest.raises(SyscallError) as info:
                 Rings(4, 8)
-            assert info.value.call == ("memfd_create", "eventfd")[last_free] and info.value.errno == 24
+            assert info.value.call == ("memfd_create", "socketpair")[last_free] and info.value.errno == 24
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             for fd in fillers:

@@ -11,7 +11,7 @@ Where the peer's shared-memory ring is attached (:mod:`._ring`), messages come f
 peer's order (:meth:`Reading._arrived`): a ring slot that the peer published after ``n`` socket messages is
 handled after the peer's socket messages ``0..n-1`` and before its message ``n``. Socket messages are counted
 from the first after the handshake (``_Conn.sock_next``); the next socket message, once read, waits in
-``_Conn.ahead`` while slots before it are handled. Every wait is on the socket AND the ring's eventfd, with the
+``_Conn.ahead`` while slots before it are handled. Every wait is on the socket AND the ring's wake socket, with the
 ring's ``asleep`` flag set around it (:meth:`._ring.Rings.sleep_begin`), so the peer's death (the socket's
 hang-up) is still seen at once and a slot published while this end sleeps wakes it.
 """
@@ -94,7 +94,7 @@ class _Conn:
     parked: bool = False  # the next message (a ring slot, or ``ahead``) is an array and the queue was full
     wake_fd: int = -1  # an eventfd: recv() wakes a reader parked for room (made on the first park)
     rings: Any = None  # this connection's shared-memory rings (._ring.Rings), or None: the socket alone
-    poller: Any = None  # (the reader's) poll of the socket and the ring's eventfd, made when the ring attaches
+    poller: Any = None  # (the reader's) poll of the socket and the ring's wake socket, made when the ring attaches
     ahead: tuple | None = None  # the next socket message, read and not yet handled: (msg, fds)
     sock_next: int = 0  # the number of the next socket message to handle (the peer's first after the handshake: 0)
     unbounded: bool = False  # the peer hung up (or this end shut down): take what is left whatever the bound
@@ -328,19 +328,23 @@ class Reading:
     def _attach_peer_ring(self, deadline: float | None) -> None:
         """Read the peer's first socket message, its ``ring`` message, and attach its region: the handshake's
         last step (:mod:`.rendezvous` hands the channel out after it), so that a channel holds every fd of
-        its connection from the start (the peer's eventfd, kept by :meth:`._ring.Rings.attach`) and its
-        first repeat and release can take the ring. A first message that is not a sound ``ring`` message, or
-        the peer's end, ends the connection here (the caller gets the channel, ended, as it would have seen
-        it at its first read). No other thread reads yet.
+        its connection from the start (the peer's wake socket, kept by :meth:`._ring.Rings.attach`) and its
+        first repeat and release can take the ring. A first message that is not a sound ``ring`` message ends
+        the connection here and fails the handshake; the peer's end (it closed right after its hello) leaves
+        the caller the channel, ended, as it would have seen it at its first read. No other thread reads yet.
 
         Raises:
             WaitTimeoutError: nothing came by ``deadline`` (``time.monotonic()``; ``None``: no limit).
+            ProtocolError: the peer's first message was not a sound ``ring`` message (the connection is ended).
         """
         rings = self._conn.rings
         with self._read_lock:
             while not rings.attached and not self._proto.ended:
                 if not self._read_one(deadline):
                     raise WaitTimeoutError("the peer's ring message did not come in time")
+        err = self._proto.error
+        if not rings.attached and isinstance(err, ProtocolError):
+            raise ProtocolError(f"the peer's ring message was refused: {err}") from err
 
     def _read_arrived(self) -> bool:
         """Read one message if one has arrived, without waiting (no other thread reads the socket)."""
@@ -460,7 +464,7 @@ class Reading:
         """Wait for the socket or the peer's ring: True once the socket is readable (or hung up), False when
         the ring may hold something, ``None`` when ``deadline`` passed with nothing. Releases in the ring are
         taken first; ``spin`` seconds of looking at the ring (and, now and then, the socket) come before the
-        sleep, which the peer is told of (``asleep``: its next publish rings the eventfd)."""
+        sleep, which the peer is told of (``asleep``: its next publish sends a wake-up)."""
         conn = self._conn
         rings = conn.rings
         self._ring_releases()
@@ -501,11 +505,8 @@ class Reading:
         for fd, _ in events:
             if fd == sock_fd:
                 readable = True
-            else:  # (woken without a sleep: the eventfd is drained here)
-                try:
-                    os.eventfd_read(fd)
-                except BlockingIOError:
-                    pass
+            else:  # (woken without a sleep: the wake socket is drained here)
+                rings.drain()
         return readable
 
     def _ring_releases(self) -> None:

@@ -6,7 +6,7 @@ reaches the exporter before its next send, not during it; a busy consumer's rele
 (:data:`RELEASE_BATCH` at a time, or within :data:`RELEASE_DELAY`) into one ``release`` message.
 
 Where the connection has the shared-memory ring (:mod:`._ring`), a release goes into the release ring at once,
-in the releasing thread: no syscall, unless the exporter's reader sleeps (then one ``eventfd`` write wakes it
+in the releasing thread: no syscall, unless the exporter's reader sleeps (then one ``send`` on its wake socket wakes it
 right after the release, before the exporter's next send rather than inside it); only what does not fit in the
 ring goes as a ``release`` message, by the rules above.
 """
@@ -71,7 +71,7 @@ class ReleaseQueue:
                     shut_down(self._link.sock)  # (the reader sees it and ends the connection; no send here)
                     return
                 except (DmaBufError, OSError):
-                    pass  # (eventfd_write failed): by the socket, as below
+                    pass  # (the wake-up's send failed): by the socket, as below
             self.pending.append(lease_id)
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))

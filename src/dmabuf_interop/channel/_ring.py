@@ -17,6 +17,8 @@ was published shows a wrong ``seq``. Counters the peer publishes must move forwa
 length of what this end consumed; anything else is a :class:`~..errors.ProtocolError`. This end never reads
 its own region back (its counters live in Python attributes); the peer cannot write it (``F_SEAL_FUTURE_WRITE``).
 
+Note [the wake fd] (in :mod:`._ring_region`): why a sleeping end is woken through a datagram socket.
+
 Note [ring and fork]. Both mappings are made with ``MADV_DONTFORK``: a forked child has none of them. A
 :class:`Rings` inherited through ``fork()`` may only be closed there: its methods raise
 :class:`~..errors.ForkedResourceError`, and its ``close()`` (or its collection) closes this process's copies
@@ -31,10 +33,11 @@ alone.
 
 Speed (load-bearing). Measured with CPython 3.11.7 on the 2-core x86-64 CPU machine (load average near 4),
 two ``Rings`` of the default lengths attached in one process, a loop of 200 calls timed, median of 300 loops,
-two runs: ``try_push`` 0.5-0.8 us (and one ``eventfd_write`` more when the peer sleeps); ``peek_sock_seq``
+two runs: ``try_push`` 0.5-0.8 us (and one wake-up ``send`` more when the peer sleeps: with the sleeper's
+``recv`` that drains it, 4.5-7.4 us more, at load average 0.4); ``peek_sock_seq``
 0.1-0.2 us with nothing published; ``peek_sock_seq`` + ``take`` 1.7-2.5 us a slot (0.6 us of it builds the
 frozen ``RingSlot``); ``push_releases`` of one id 0.8-1.3 us; ``take_releases`` 0.1-0.2 us with none, about
-1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.5-2.2 us (an ``eventfd_read``). The tricks: the peer's heads
+1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.8-2.0 us (a ``recv`` that finds nothing). The tricks: the peer's heads
 are cached and loaded again only when the cache says full; a peeked slot is kept for ``take``; a slot is packed
 and unpacked by one precompiled ``struct.Struct`` call; the atomics are ``METH_FASTCALL`` C functions bound to
 module globals; this end's counters are Python ints, never read back from the region.
@@ -46,6 +49,7 @@ import errno
 import fcntl
 import functools
 import os
+import socket
 import struct
 import weakref
 from typing import Any, Sequence
@@ -56,7 +60,7 @@ from ..errors import ForkedResourceError, InvalidArgumentError, NotSupportedErro
 from ._ring_region import (ASLEEP, EVENT_BYTES, EVENT_CODE, F_SEAL_FUTURE_WRITE, HEADER, IN_HEAD, LEASE_LIMIT,
                            MAGIC, MAX_RELEASE_SLOTS, MAX_SLOTS, ORDER_CODE, ORDERINGS, OUT_TAIL, OWN_SEALS, REL_HEAD,
                            REL_TAIL, REQUIRED_SEALS, RING_VERSION, SLOT, SLOT_BYTES, SLOTS_OFFSET, RingSlot,
-                           check_eventfd, check_memfd, check_offer, check_size, region_bytes)
+                           check_memfd, check_offer, check_size, open_wake, region_bytes)
 
 try:
     from .. import _atomic
@@ -79,13 +83,13 @@ def ring_unavailable() -> str | None:
     """Why this process cannot offer the ring, or ``None`` when it can (asked once, then remembered).
 
     Reasons: the extension :mod:`dmabuf_interop._atomic` is not built; the ``os`` module lacks
-    ``memfd_create`` or ``eventfd``; the kernel refuses ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1) or memfd
+    ``memfd_create``; the kernel refuses ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1) or memfd
     seals at all. The probe makes a memfd, seals it and closes it.
     """
     if _atomic is None:
         return _MISSING
-    if not hasattr(os, "memfd_create") or not hasattr(os, "eventfd"):
-        return "this Python has no os.memfd_create or os.eventfd (Linux, Python 3.10+ needed)"
+    if not hasattr(os, "memfd_create"):
+        return "this Python has no os.memfd_create (Linux needed)"
     try:
         fd = os.memfd_create("dmabuf-interop-ring-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
@@ -102,16 +106,22 @@ def ring_unavailable() -> str | None:
 
 
 
+_DONTWAIT = socket.MSG_DONTWAIT
+#: Wake-ups read from the wake socket at most per :meth:`Rings.sleep_end`.
+_DRAIN = 64
+
+
 class _Held:
     """What a :class:`Rings` owns, apart from it so that its ``weakref.finalize`` can close it."""
 
-    __slots__ = ("mine", "peer", "views", "fds")
+    __slots__ = ("mine", "peer", "views", "fds", "socks")
 
     def __init__(self) -> None:
         self.mine: Any = None    # this end's region, mapped read-write
         self.peer: Any = None    # the peer's, mapped read-only
         self.views: list[memoryview] = []
-        self.fds: list[int] = []  # the memfd, this end's eventfd, a dup of the peer's eventfd
+        self.fds: list[int] = []  # the memfd
+        self.socks: list[socket.socket] = []  # this end's wake socketpair, a dup of the peer's wake socket
 
     def close(self) -> None:
         for view in self.views:
@@ -132,6 +142,9 @@ class _Held:
                 os.close(fd)
             except OSError:
                 pass
+        socks, self.socks = self.socks, []
+        for sock in socks:
+            sock.close()  # (only this process's copy of the fd: no shutdown)
 
 
 
@@ -153,7 +166,8 @@ class Rings:
 
     Attributes:
         attached: True once :meth:`attach` took the peer's region.
-        wake_fd: this end's eventfd (``EFD_CLOEXEC | EFD_NONBLOCK``): ``poll`` it with the socket while
+        wake_fd: this end's wake socket (one end of an ``AF_UNIX`` ``SOCK_DGRAM`` ``socketpair``; the peer
+            gets the other, Note [the wake fd]): ``poll`` it with the channel's socket while
             :meth:`sleep_begin` .. :meth:`sleep_end`. Owned by this object.
         slots, release_slots: this end's rings' lengths.
         nbytes: this end's region size in bytes (:func:`region_bytes`).
@@ -162,7 +176,7 @@ class Rings:
         InvalidArgumentError: ``slots`` or ``release_slots`` not a power of two in range.
         NotSupportedError: :func:`ring_unavailable` gives a reason.
         SyscallError: ``memfd_create``, ``ftruncate``, ``mmap``, ``madvise``, ``fcntl(F_ADD_SEALS)`` or
-            ``eventfd`` failed (names the call and the errno).
+            ``socketpair`` failed (names the call and the errno).
     """
 
     def __init__(self, slots: int = 256, release_slots: int = 1024) -> None:
@@ -176,10 +190,13 @@ class Rings:
         try:
             self._make_region(held)
             try:
-                self.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                wake, for_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # (close-on-exec)
             except OSError as exc:
-                raise SyscallError("eventfd", exc) from exc
-            held.fds.append(self.wake_fd)
+                raise SyscallError("socketpair", exc) from exc
+            wake.setblocking(False)  # (every call passes MSG_DONTWAIT as well: Note [the wake fd])
+            held.socks += (wake, for_peer)
+            self._wake_sock, self._for_peer = wake, for_peer
+            self.wake_fd = wake.fileno()
         except BaseException:
             held.close()
             raise
@@ -205,7 +222,7 @@ class Rings:
         self._next: RingSlot | None = None  # peeked, not yet taken
         self._peer: Any = None
         self._peer_q: memoryview | None = None
-        self._peer_wake = -1
+        self._peer_wake: socket.socket | None = None
         self.attached = False
         self.closed = False
 
@@ -231,7 +248,7 @@ class Rings:
     # --- set-up ---------------------------------------------------------------------------------------
 
     def offer(self) -> tuple[dict[str, Any], list[int]]:
-        """The ``ring`` message for the peer and its two fds ``[memfd, eventfd]`` (still owned here: send
+        """The ``ring`` message for the peer and its two fds ``[memfd, wake socket]`` (still owned here: send
         them with ``SCM_RIGHTS``, do not close them).
 
         Raises:
@@ -241,18 +258,18 @@ class Rings:
         self._check_usable()
         msg = {"kind": "ring", "version": RING_VERSION, "bytes": self.nbytes, "slots": self.slots,
                "release_slots": self.release_slots}
-        return msg, [self._memfd, self.wake_fd]
+        return msg, [self._memfd, self._for_peer.fileno()]
 
     def attach(self, msg: dict[str, Any], fds: Sequence[int]) -> None:
-        """Take the peer's ``ring`` message and its fds ``[memfd, eventfd]``: map its region read-only
-        (``MAP_SHARED``, ``MADV_DONTFORK``) and keep a duplicate of its eventfd. The caller keeps ``fds`` (and
-        closes them).
+        """Take the peer's ``ring`` message and its fds ``[memfd, wake socket]``: map its region read-only
+        (``MAP_SHARED``, ``MADV_DONTFORK``) and keep a duplicate of its wake socket. The caller keeps ``fds``
+        (and closes them).
 
         Raises:
             ProtocolError: a second ``ring`` message; bad fields (:func:`check_offer`); not two fds; the
                 region fd not a memfd, not sealed with :data:`REQUIRED_SEALS`, of another size than
-                ``bytes``, or not readable; its header not the message's; the wake fd not a non-blocking
-                eventfd.
+                ``bytes``, or not readable; its header not the message's; the wake fd not a connected
+                ``AF_UNIX`` ``SOCK_DGRAM`` socket.
             SyscallError: ``mmap``, ``madvise`` or ``dup`` failed for this process's reasons (``ENOMEM``,
                 ``EMFILE``).
             ForkedResourceError, InvalidArgumentError: inherited through ``fork()``; closed.
@@ -263,10 +280,9 @@ class Rings:
         nbytes, slots, release_slots = check_offer(msg)
         if not isinstance(fds, (list, tuple)) or len(fds) != 2:
             raise ProtocolError(f"ring: the message carries {len(fds) if isinstance(fds, (list, tuple)) else '?'} "
-                                f"fds, not 2 (memfd, eventfd)")
+                                f"fds, not 2 (memfd, wake socket)")
         memfd, wake = fds
         check_memfd(memfd, nbytes)
-        check_eventfd(wake)
         try:
             peer = _atomic.Mapping(memfd, nbytes, False)
         except OSError as exc:
@@ -279,16 +295,13 @@ class Rings:
             if header != (MAGIC, RING_VERSION, SLOT_BYTES, slots, release_slots):
                 raise ProtocolError(f"ring: the region's header (magic, version, slot_bytes, slots, release_slots) "
                                     f"= {header} is not the message's")
-            try:
-                peer_wake = os.dup(wake)  # close-on-exec, as os.dup makes every fd
-            except OSError as exc:
-                raise SyscallError("dup", exc) from exc
+            peer_wake = open_wake(wake)  # checked, and a duplicate (close-on-exec) owned from now on
         except BaseException:
             peer.close()
             raise
         held = self._held
         held.peer = peer
-        held.fds.append(peer_wake)
+        held.socks.append(peer_wake)
         self._peer_wake = peer_wake
         self._peer_q = memoryview(peer).cast("Q")
         held.views.append(self._peer_q)
@@ -322,7 +335,7 @@ class Rings:
                 ``[1, 2**53)``, ``layout`` not a u32, an unknown ordering, an event missing, not 64 bytes, or
                 given with another ordering than ``"event"``).
             ProtocolError: the peer's ``in_head`` went backwards or past this end's tail.
-            SyscallError: ``eventfd_write`` to the peer's eventfd failed.
+            SyscallError: ``send`` to the peer's wake socket failed.
             ForkedResourceError: inherited through ``fork()``.
         """
         if self._owner != _forks.pid:
@@ -432,7 +445,7 @@ class Rings:
         Raises:
             InvalidArgumentError: an id that is not an int in ``[1, 2**53)`` (nothing of the call published).
             ProtocolError: the peer's ``rel_head`` went backwards or past this end's ``rel_tail``.
-            SyscallError: ``eventfd_write`` failed.
+            SyscallError: ``send`` to the peer's wake socket failed.
             ForkedResourceError: inherited through ``fork()``.
         """
         if self._owner != _forks.pid:
@@ -523,36 +536,52 @@ class Rings:
         return True
 
     def sleep_end(self) -> None:
-        """Clear ``asleep`` and drain :attr:`wake_fd` (a non-blocking read). Call it after every
+        """Clear ``asleep`` and drain :attr:`wake_fd` (``recv(MSG_DONTWAIT)``). Call it after every
         :meth:`sleep_begin` that returned True, however the sleep ended.
 
         Raises:
-            SyscallError: ``eventfd_read`` failed (other than ``EAGAIN``).
+            SyscallError: ``recv`` on the wake socket failed (other than ``EAGAIN``, or the peer's end gone).
             ForkedResourceError: inherited through ``fork()``.
             InvalidArgumentError: after :meth:`close`.
         """
         if self._owner != _forks.pid or self.closed:
             self._check_usable()
         _store(self._mine, ASLEEP, 0)
-        try:
-            os.eventfd_read(self.wake_fd)
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            raise SyscallError("eventfd_read", exc) from exc
+        self.drain()
+
+    def drain(self) -> None:
+        """Read the wake-ups waiting on :attr:`wake_fd` (``recv(MSG_DONTWAIT)``, at most :data:`_DRAIN`),
+        e.g. after a ``poll`` that found it readable with no :meth:`sleep_begin` before it.
+
+        Raises:
+            SyscallError: ``recv`` failed (other than ``EAGAIN``, or the peer's end gone).
+        """
+        recv = self._wake_sock.recv
+        for _ in range(_DRAIN):  # (bounded: a peer that floods the socket cannot keep this end here)
+            try:
+                recv(16, _DONTWAIT)
+            except BlockingIOError:
+                return
+            except (ConnectionResetError, ConnectionRefusedError):
+                return  # the peer's end went (reading the error clears it); its socket's hang-up ends the channel
+            except OSError as exc:
+                raise SyscallError("recv", exc) from exc
 
     def _wake(self) -> None:
         try:
-            os.eventfd_write(self._peer_wake, 1)
+            self._peer_wake.send(b"\1", _DONTWAIT)  # Note [the wake fd]: never waits, whatever O_NONBLOCK says
         except BlockingIOError:
-            pass  # the counter is at its maximum: the peer has a wake-up waiting already
+            pass  # the peer's socket is full of wake-ups already
+        except (ConnectionResetError, ConnectionRefusedError):
+            pass  # the peer's end went: its socket's hang-up ends the channel
         except OSError as exc:
-            raise SyscallError("eventfd_write", exc) from exc
+            raise SyscallError("send", exc) from exc
 
     # --- the end --------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unmap both regions and close the fds (this end's memfd and eventfd, the duplicate of the peer's).
+        """Unmap both regions and close the fds (this end's memfd and wake socketpair, the duplicate of the
+        peer's wake socket).
         Idempotent. In a process that inherited this object through ``fork()`` it closes that process's
         copies of the fds and never touches the mappings (Note [ring and fork])."""
         self.closed = True

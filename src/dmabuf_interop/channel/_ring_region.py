@@ -4,26 +4,37 @@ What both ends agree on, as ``docs/protocol.md`` ("Shared-memory ring") specifie
 region's header and counter offsets, the message slot's encoding (:data:`SLOT`) and what it carries
 (:class:`RingSlot`), the release entries, the seals a peer's region must carry, and the checks of a peer's
 ``ring`` message and of the two fds it carries (:func:`check_offer`, :func:`check_memfd`,
-:func:`check_eventfd`). The object that owns the fds and the mappings and moves the counters is
+:func:`open_wake`). The object that owns the fds and the mappings and moves the counters is
 :class:`._ring.Rings`; :mod:`.protocol` checks a ``ring`` message's fields with :func:`check_offer`.
+
+Note [the wake fd]. A sleeping end is woken through a socket, not an eventfd. An fd passed by ``SCM_RIGHTS``
+shares its open file description with the sender, so its flags are the sender's too: a peer can clear
+``O_NONBLOCK`` on an eventfd it made, or on one it was given, at any moment, and then an ``eventfd_read`` of an
+empty counter, or an ``eventfd_write`` to a full one, waits forever (outside every timeout, and a write does it
+under the channel's send lock). Each end makes an ``AF_UNIX`` ``SOCK_DGRAM`` ``socketpair``, polls one end and
+gives the peer the other; every wake is a one-byte ``send`` with ``MSG_DONTWAIT`` and every drain a ``recv`` with
+``MSG_DONTWAIT``, which never wait whatever the description's flags say. A full socket means wake-ups are pending
+already; a peer's end that went (``ECONNREFUSED``, ``ECONNRESET``) is seen as the channel socket's hang-up. At
+most :data:`._ring._DRAIN` datagrams are read per drain, so a peer that floods the socket costs this end a loop
+turn per flood, not a hang.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ProtocolError
-from ..fd import fd_kind, fs_magic
+from ..errors import ProtocolError, SyscallError
+from ..fd import fd_kind
 
 __all__ = ["RING_VERSION", "MAGIC", "SLOT_BYTES", "SLOTS_OFFSET", "MAX_SLOTS", "MAX_RELEASE_SLOTS", "LEASE_LIMIT",
            "ORDERINGS", "ORDER_CODE", "EVENT_CODE", "EVENT_BYTES", "OUT_TAIL", "REL_TAIL", "IN_HEAD", "REL_HEAD",
-           "ASLEEP", "HEADER", "SLOT", "F_SEAL_FUTURE_WRITE", "REQUIRED_SEALS", "OWN_SEALS", "ANON_INODE_FS_MAGIC",
-           "RingSlot", "region_bytes", "check_size", "check_memfd", "check_eventfd", "check_offer"]
+           "ASLEEP", "HEADER", "SLOT", "F_SEAL_FUTURE_WRITE", "REQUIRED_SEALS", "OWN_SEALS",
+           "RingSlot", "region_bytes", "check_size", "check_memfd", "open_wake", "check_offer"]
 
 #: The ring format this implementation speaks (the ``ring`` key of ``hello``, the ``version`` of ``ring``).
 RING_VERSION = 1
@@ -64,8 +75,6 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 REQUIRED_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE
 #: The seals an owner puts on its region (the required ones, and no more seals after them).
 OWN_SEALS = REQUIRED_SEALS | fcntl.F_SEAL_SEAL
-# include/uapi/linux/magic.h: eventfds live on the anonymous-inode filesystem.
-ANON_INODE_FS_MAGIC = 0x09041934
 _OFFER_KEYS = frozenset({"kind", "version", "bytes", "slots", "release_slots"})
 
 
@@ -118,22 +127,34 @@ def check_memfd(fd: Any, nbytes: int) -> None:
         raise ProtocolError(f"ring: the region memfd is {size} bytes, the message says {nbytes}")
 
 
-def check_eventfd(fd: Any) -> None:
-    """The peer's wake fd: a non-blocking eventfd (ProtocolError). Without ``/proc``: an anonymous inode
-    that accepts an 8-byte write of 0 (no other anonymous-inode file takes one; an eventfd adds nothing)."""
-    if isinstance(fd, bool) or not isinstance(fd, int) or fd_kind(fd) in ("closed", "socket", "pipe"):
-        raise ProtocolError(f"ring: the wake fd is a {fd_kind(fd)}, not an eventfd")
-    if fs_magic(fd) != ANON_INODE_FS_MAGIC:
-        raise ProtocolError("ring: the wake fd is not an eventfd (not an anonymous inode)")
-    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK:
-        raise ProtocolError("ring: the wake eventfd is blocking (EFD_NONBLOCK is required: a wake never waits)")
+def open_wake(fd: Any) -> socket.socket:
+    """The peer's wake fd, checked and duplicated: a connected ``AF_UNIX`` ``SOCK_DGRAM`` socket (one end of
+    the peer's ``socketpair``), returned as a socket object that owns the duplicate (ProtocolError if it is
+    anything else; SyscallError if ``dup`` fails).
+
+    Why a socket and not an eventfd: Note [the wake fd], above."""
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd_kind(fd) != "socket":
+        raise ProtocolError(f"ring: the wake fd is a {fd_kind(fd)}, not a socket")
     try:
-        os.eventfd_write(fd, 0)
-    except BlockingIOError:
-        pass  # an eventfd whose counter is at its maximum: the peer is woken already
+        dup = os.dup(fd)
     except OSError as exc:
-        raise ProtocolError(f"ring: the wake fd is not an eventfd (write -> {errno.errorcode.get(exc.errno)})") \
-            from exc
+        raise SyscallError("dup", exc) from exc
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError as exc:
+        os.close(dup)
+        raise ProtocolError(f"ring: the wake fd is not a usable socket ({exc})") from exc
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_DGRAM:
+            raise ProtocolError(f"ring: the wake socket is {sock.family!r} {sock.type!r}, not AF_UNIX SOCK_DGRAM")
+        try:
+            sock.getpeername()
+        except OSError as exc:
+            raise ProtocolError("ring: the wake socket is not connected (one end of a socketpair is)") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def check_offer(msg: Any) -> tuple[int, int, int]:

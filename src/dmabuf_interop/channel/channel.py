@@ -55,7 +55,7 @@ serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._len
 takes them in its reader after each wake-up and in ``send`` before it places anything:
 :meth:`._lending.Lending._take_ring_releases`). The peer's ``ring`` message is attached, and the rings closed at
 the end of the connection, under ``_state`` (the end also holds ``_send_lock``). Every wait of the reader (the
-background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's eventfd,
+background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's wake socket,
 between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring (:attr:`Channel.spin`).
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
@@ -99,7 +99,7 @@ host pools, and channels that map no device chunk, never initialise CUDA, so a p
 workers should make them before any device pool.
 
 Speed tricks here, measured and load-bearing: the ring (a repeat without meta costs a slot and, only when the
-peer sleeps, one ``eventfd`` write; a release one ring entry), measured with a host pool on the 2-core CPU
+peer sleeps, one ``send`` of a wake-up; a release one ring entry), measured with a host pool on the 2-core CPU
 machine in one process (send, recv, release: 10, 15, 18 us, against 49, 65, 38 us on the socket); the inline
 release (:data:`RELEASE_GAP`, :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not
 during it); reading in the caller's thread on a receive-only channel (no hand-over between threads); notifying

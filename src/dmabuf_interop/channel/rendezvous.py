@@ -10,7 +10,7 @@ exchange a JSON ``hello`` (protocol and library versions, visible GPUs, the
 kernel's boot id, the shared-memory ring offered), in a handshake thread of the listener's (Note
 [concurrent handshakes] in :mod:`.handshake`). A refusal sends a ``refuse`` message with the reason and
 closes; the refused side raises :class:`~..errors.PeerRefusedError`. When both hellos offer the ring, each
-side sends its ``ring`` message (:mod:`._ring`: the region's memfd and the eventfd, by ``SCM_RIGHTS``) as
+side sends its ``ring`` message (:mod:`._ring`: the region's memfd and a wake socket, by ``SCM_RIGHTS``) as
 its first message after the handshake, then reads and attaches the peer's before it hands the channel out
 (``connect`` returns, ``accept`` sees it): a channel holds every fd of its connection from the start.
 """
@@ -139,7 +139,7 @@ def _ready(ch: Channel, deadline: float | None) -> Channel:
 
 
 def _offer_ring(sock: socket.socket, rings: Rings, timeout: float | None) -> None:
-    """Send this side's ``ring`` message with its fds (memfd, eventfd): the first message after the handshake.
+    """Send this side's ``ring`` message with its fds (memfd, wake socket): the first message after the handshake.
     A peer that has gone already (it may close as soon as its own side of the handshake is done) is not an
     error here: the channel is made all the same and sees the end at once, as it would without a ring."""
     msg, fds = rings.offer()
