@@ -622,10 +622,10 @@ def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
         seen: list[int] = []
         handle = prod._handle
 
-        def counting(msg, fds):  # the producer's view: how many release messages came
+        def counting(msg, fds, *rest):  # the producer's view: how many release messages came
             if msg.get("kind") == "release":
                 seen.append(len(msg["leases"]))
-            return handle(msg, fds)
+            return handle(msg, fds, *rest)
 
         prod._handle = counting
         arrays = [pool.empty(8, "uint8") for _ in range(64)]

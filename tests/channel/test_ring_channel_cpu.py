@@ -33,6 +33,7 @@ from dmabuf_interop.channel.protocol import PROTOCOL_VERSION
 from dmabuf_interop.channel.wire import recv_frame, send_frame
 from dmabuf_interop.errors import (ForkedResourceError, InvalidArgumentError, PeerClosedError, ProtocolError,
                                    WaitTimeoutError)
+from dmabuf_interop.fd import open_fds
 from tests.helpers.bounded import bounded, child, error, reap, result
 from tests.helpers.channels import connect_in_thread, hand_written_listener
 
@@ -53,7 +54,7 @@ def _fds() -> int:
     """This process's open fds, once the garbage is collected (in a forked child, objects inherited from the
     test process close their copies of fds when collected: that must not count as this test's)."""
     gc.collect()
-    return len(os.listdir("/proc/self/fd"))
+    return len(open_fds())
 
 
 # --- order ------------------------------------------------------------------------------------------------
@@ -501,11 +502,8 @@ def _fd_kinds(skip_pool: bool = False) -> dict[str, int]:
     (after a collection, as :func:`_fds`)."""
     gc.collect()
     out: collections.Counter[str] = collections.Counter()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except FileNotFoundError:  # the directory listing's own fd
-            continue
+    for fd in open_fds():
+        target = os.readlink(f"/proc/self/fd/{fd}")
         if target.startswith(("socket:", "pipe:")):
             kind = target.split(":")[0]
         elif target.startswith("/memfd:"):

@@ -467,7 +467,7 @@ class Reading:
         sleep, which the peer is told of (``asleep``: its next publish sends a wake-up)."""
         conn = self._conn
         rings = conn.rings
-        self._ring_releases()
+        _ring_releases(conn)  # (ProtocolError: the caller ends the connection)
         poller = conn.poller
         if poller is None:
             poller = conn.poller = select.poll()
@@ -496,36 +496,20 @@ class Reading:
                 try:
                     events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
                 finally:
-                    rings.sleep_end()
+                    rings.sleep_end()  # (drains the wake socket)
                 if not events:
                     left = remaining(deadline)
                     return None if left is not None and left <= 0 else False
-        sock_fd = self._sock.fileno()
-        readable = False
-        for fd, _ in events:
-            if fd == sock_fd:
-                readable = True
-            else:  # (woken without a sleep: the wake socket is drained here)
-                rings.drain()
-        return readable
-
-    def _ring_releases(self) -> None:
-        """Take the leases the peer released through its release ring (the exporter's side).
-
-        Raises:
-            ProtocolError: an id this end did not lend, or a release ring out of step (the caller ends the
-                connection).
-        """
-        _ring_releases(self._conn)
+                return any(fd != rings.wake_fd for fd, _ in events)
+        if any(fd == rings.wake_fd for fd, _ in events):
+            rings.drain()  # woken without a sleep: the wake-up is read here
+        return any(fd != rings.wake_fd for fd, _ in events)
 
     def _take(self, msg: dict[str, Any], fds: list[int], checked: bool = False) -> None:
         """Handle one message read (its fds are closed after), ending the connection if it must. ``checked``:
         a ring slot's ``repeat``, whose fields :meth:`._ring.Rings.take` validated."""
         try:
-            if checked:
-                self._handle(msg, fds, True)
-            else:
-                self._handle(msg, fds)
+            self._handle(msg, fds, checked)
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
