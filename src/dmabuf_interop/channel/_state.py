@@ -177,7 +177,7 @@ class LeasesReleased:
 
 @dataclass(slots=True)
 class RingOffered:
-    """The peer's ``ring`` message (its shared-memory region and eventfd, the two fds that came with it):
+    """The peer's ``ring`` message (its shared-memory region and wake socket, the two fds that came with it):
     attach it. ``msg`` is the validated message."""
 
     msg: dict[str, Any]
@@ -488,7 +488,7 @@ class ConnectionState:
         if self.transport != "fd":
             raise ProtocolError("a ring message on a tcp:// channel")
         if nfds != 2:
-            raise ProtocolError(f"a ring message carried {nfds} fd(s), not 2 (memfd, eventfd)")
+            raise ProtocolError(f"a ring message carried {nfds} fd(s), not 2 (memfd, wake socket)")
         self.ring_due = False
         return [RingOffered(msg)]
 
