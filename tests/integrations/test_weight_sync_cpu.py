@@ -300,3 +300,81 @@ def test_accept_while_takes_an_engine_whose_handshake_ends_after_the_call_return
         finally:
             late[0].join(30)
             sock.close()
+
+
+def test_the_same_tensors_sent_again_reuse_the_plan_and_a_changed_one_is_sent_as_it_is_now(tmp_path):
+    """A trainer hands over the same parameter objects every step: the publisher keeps its items and plan.
+    Whatever changed about a tensor (new storage behind the same object, a transposed square view) ends that."""
+    addr = str(tmp_path / "w.sock")
+    with SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
+        params = {f"p{i}": torch.from_numpy(pool.empty((32, 32), "float32")) for i in range(4)}
+        for i, p in enumerate(params.values()):
+            p.copy_(torch.arange(1024, dtype=torch.float32).reshape(32, 32) + i)
+        params["plain"] = torch.ones(8)  # staged: outside the pool
+        with WeightPublisher(addr, pool=pool, stream_batches=2) as pub:
+            eng = Engine(addr, 4)
+            eng.start()
+            pub.accept(timeout=30)
+            sent = []
+            pub.publish(params, 0)
+            sent.append({k: v.contiguous().clone() for k, v in params.items()})
+            first = pub._last
+            pub.wait(30)  # lent, not copied: written only once the engine gave the version back
+            params["p1"].add_(5)  # written in place: the same items, sent again
+            params["plain"].fill_(3)
+            pub.publish(params, 1)
+            sent.append({k: v.contiguous().clone() for k, v in params.items()})
+            assert pub._last is first  # the items and the plan were used again
+            pub.wait(30)
+            params["p2"].data = params["p2"].data.t()  # same object, same pointer and shape, other strides
+            pub.publish(params, 2)
+            sent.append({k: v.contiguous().clone() for k, v in params.items()})
+            assert pub._last is not first
+            pub.wait(30)
+            params["p3"].data = torch.full((32, 32), 9.0)  # new storage behind the same object: staged now
+            report = pub.publish(params, 3)
+            sent.append({k: v.contiguous().clone() for k, v in params.items()})
+            eng.join(60)
+            pub.wait(30)
+        assert not eng.errors
+        for v, want in enumerate(sent):
+            assert _equal(eng.got[v], want), v
+        assert report.staged_bytes == 4 * 8 + 2 * 32 * 32 * 4  # plain, p2 (not contiguous now) and p3
+
+
+def test_the_next_batch_is_taken_while_the_caller_holds_one_and_given_back_if_it_stops(tmp_path):
+    """The receiver takes batch i+1 in its prefetch worker while batch i is in the caller's hands, never
+    a batch of the next version; a caller that stops part-way gives back the batch taken ahead too."""
+    import time
+
+    addr = str(tmp_path / "w.sock")
+    state = {f"t{i}": torch.full((64, 64), i, dtype=torch.float32) for i in range(12)}
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        out: dict[str, object] = {}
+        go = threading.Event()
+
+        def engine() -> None:
+            with WeightReceiver(addr, timeout=30, wait=True) as rx:
+                rv = rx.receive()
+                it = rv.batches()
+                next(it)
+                go.wait(30)  # the whole version has been sent
+                deadline = time.monotonic() + 10
+                while rv.taken < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                out["taken_with_one_held"] = rv.taken
+                it.close()
+                rv.drain()  # stops part-way: everything taken is given back, the rest taken and given back
+                out["partial"] = rx.version
+                out["next"] = rx.load(lambda items: out.setdefault("names", [n for n, _ in items]))
+
+        th = threading.Thread(target=engine, daemon=True)
+        th.start()
+        pub.accept(timeout=30)
+        report = pub.publish(state, 1)
+        go.set()
+        pub.wait(30)  # every batch of version 1 came back, the one taken ahead included
+        pub.publish(state, 2)
+        th.join(60)
+        assert report.batches > 2
+        assert out["taken_with_one_held"] == 2 and out["next"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -30,16 +31,23 @@ class ReceivedVersion:
     A tensor is valid until released. When the trainer could not keep the whole version in its pool
     (``keep`` false), batch ``i-1`` is given back as batch ``i`` is taken, so hold on to nothing of a
     batch past the next one.
+
+    With a ``prefetch`` worker (:class:`WeightReceiver` has one), batch ``i+1`` is received and made
+    into tensors in that thread while the caller uses batch ``i``: see Note [prefetch].
     """
 
-    def __init__(self, receiver: "WeightReceiver", timeout: float | None, streams: list[Any]) -> None:
+    def __init__(self, receiver: "WeightReceiver", timeout: float | None, streams: list[Any],
+                 prefetch: ThreadPoolExecutor | None = None) -> None:
         self._rx = receiver
         self._timeout = timeout
         self._streams = streams
+        self._prefetch = prefetch
+        self._ahead: Future[Batch] | None = None  # the next batch, being received by the prefetch worker
         self._held: list[Batch] = []
         self.version: int | None = None
         self.batches_total: int | None = None
         self.applied = 0  # batches handed out so far
+        self._taken = 0  # batches taken from the channel (handed out, or received ahead)
         self._first: dict[str, Any] | None = None
         self._done = False
 
@@ -65,6 +73,7 @@ class ReceivedVersion:
                 release_all(batch)
                 raise ProtocolError(f"weight sync: batch {meta['batch']} where {index} was due")
             break
+        self._taken += 1
         if self._first is None:
             self._first = meta
             self.version, self.batches_total = meta["version"], meta["batches"]
@@ -100,7 +109,7 @@ class ReceivedVersion:
         try:
             while self.batches_total is None or index < self.batches_total:
                 try:
-                    b = self._recv(index)
+                    b = self._next(index)
                 except IncompleteVersionError:
                     raise
                 except DmaBufError as exc:
@@ -110,6 +119,8 @@ class ReceivedVersion:
                                                  f"{type(exc).__name__}: {exc}") from exc
                 self._held.append(b)
                 self.applied += 1
+                if self._prefetch is not None and index + 1 < (self.batches_total or 0):
+                    self._ahead = self._prefetch.submit(self._recv, index + 1)
                 yield b
                 if not self._first["keep"] and len(self._held) > 1:  # type: ignore[index]
                     old = self._held.pop(0)  # the trainer reuses its pool: give batch i-1 back
@@ -122,6 +133,45 @@ class ReceivedVersion:
             raise
         self._done = True
 
+    # Note [prefetch]
+    # ~~~~~~~~~~~~~~~
+    # An engine's loader copies each tensor (vLLM's and SGLang's load_weights): about 12 us of launch a
+    # tensor on an H200 host, most of it with the GIL released inside torch. Taking a batch costs about as
+    # much again (recv_many, the descriptors' checks, a view per tensor), all of it Python. One after the
+    # other, the engine's CPU and not the copies set the pace (399 tensors of ws-8b: ~11 ms of CPU for
+    # 8.9 ms of copies). So batch i+1 is taken in one worker thread while the caller loads batch i. The
+    # worker never reads past the version's last batch (the next version's first batch stays in the
+    # channel), and a batch it took is owned by this version: release() and drain() wait for it (within
+    # the timeout of a batch) and give it back with the rest. Its stream wait (recv_many's stream=) may be
+    # queued before batch i's copies on a shared stream: that only orders them after a write of the trainer
+    # that is complete before batch i+1 was sent, never before one.
+
+    @property
+    def taken(self) -> int:
+        """Batches of this version taken from the channel so far: handed out, or received ahead."""
+        return self._taken
+
+    def _next(self, index: int) -> Batch:
+        """Batch ``index``: the one the prefetch worker took, else one taken now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return self._recv(index)
+        return ahead.result(self._wait())
+
+    def _wait(self) -> float | None:
+        # The worker's recv_many is bounded by the batch timeout itself; the margin covers making the tensors.
+        return None if self._timeout is None else self._timeout + 30.0
+
+    def _settle(self) -> None:
+        """Wait for a batch the prefetch worker is taking, and hold it (to be given back with the rest)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        try:
+            self._held.append(ahead.result(self._wait()))
+        except Exception:  # noqa: BLE001 - the version is being given up; _recv released what it took
+            pass
+
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for b in self.batches():
             yield from b.items
@@ -132,7 +182,7 @@ class ReceivedVersion:
         stops at the version's last batch, an abort, anything else, or the timeout."""
         self.release()
         last = (self.batches_total or 0) - 1
-        index = self.applied
+        index = self._taken
         while self.version is not None and index <= last:
             try:
                 batch = self._rx._ch.recv_many(timeout=self._timeout)
@@ -146,7 +196,9 @@ class ReceivedVersion:
             index += 1
 
     def release(self) -> None:
-        """Give back every batch still held (one stream synchronisation per stream)."""
+        """Give back every batch still held (one stream synchronisation per stream), a batch the prefetch
+        worker is taking too."""
+        self._settle()
         held, self._held = self._held, []
         rec = []
         for b in held:
@@ -172,8 +224,8 @@ class WeightReceiver:
         wait: retry while nothing listens yet (an engine started before its trainer).
         allow_uids, allow_gids: trainers allowed besides this uid.
         streams: CUDA streams that batches are loaded on in turn (default: :data:`RECV_STREAMS` new ones on
-            ``device``, so one batch's copies overlap the next's hand-off and the copies of the batches
-            before it).
+            ``device``).
+        prefetch: take the next batch in a worker thread while the caller loads one (Note [prefetch]).
 
     Raises:
         SyscallError, PeerRefusedError, WaitTimeoutError: as :func:`~dmabuf_interop.channel.connect`.
@@ -181,7 +233,7 @@ class WeightReceiver:
 
     def __init__(self, address: str, *, device: int | None = None, timeout: float | None = 60.0,
                  wait: bool = False, allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
-                 streams: list[Any] | None = None) -> None:
+                 streams: list[Any] | None = None, prefetch: bool = True) -> None:
         self.host = device is None
         self.device = device
         self.timeout = timeout
@@ -191,13 +243,14 @@ class WeightReceiver:
         self._streams = list(streams or [])
         self._ch = connect(address, timeout=timeout, device=device, wait=wait, allow_uids=allow_uids,
                            allow_gids=allow_gids)
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="dmabuf-interop-prefetch") if prefetch else None
         #: The last version received whole, and a version stopped part-way after it (``None``: none).
         self.version: int | None = None
         self.partial: int | None = None
 
     def receive(self, *, timeout: float | None = None) -> ReceivedVersion:
         """The next version, read batch by batch as it is iterated (``timeout`` per batch)."""
-        return ReceivedVersion(self, self.timeout if timeout is None else timeout, self._streams)
+        return ReceivedVersion(self, self.timeout if timeout is None else timeout, self._streams, self._prefetch)
 
     def load(self, load_weights: Callable[[list[tuple[str, Any]]], Any], *, timeout: float | None = None) -> int:
         """Receive a version and hand each batch to ``load_weights`` (vLLM's and SGLang's
@@ -257,8 +310,10 @@ class WeightReceiver:
         return self.load(copy, timeout=timeout)
 
     def close(self) -> None:
-        """Close the channel (a version still held is given back by the channel)."""
+        """Close the channel (a version still held is given back by the channel) and the prefetch worker."""
         self._ch.close()
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True)  # its recv_many ends with the channel
 
     def __enter__(self) -> "WeightReceiver":
         return self
