@@ -378,3 +378,22 @@ def test_the_next_batch_is_taken_while_the_caller_holds_one_and_given_back_if_it
         th.join(60)
         assert report.batches > 2
         assert out["taken_with_one_held"] == 2 and out["next"] == 2
+
+
+def test_the_publisher_holds_nothing_of_the_callers_tensors_between_versions(tmp_path):
+    import gc
+    import weakref
+
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20) as pub:
+        eng = Engine(addr, 1)
+        eng.start()
+        pub.accept(timeout=30)
+        state = _state(11)
+        refs = [weakref.ref(t) for t in state.values()]
+        pub.publish(state, 11)
+        eng.join(60)
+        pub.wait(30)
+        del state
+        gc.collect()
+        assert all(r() is None for r in refs)  # the staged copies are the pool's; the caller's tensors are free

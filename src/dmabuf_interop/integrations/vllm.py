@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import threading
+import concurrent.futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
@@ -170,6 +172,9 @@ class TrainerEngine:
         self.publisher: WeightPublisher | None = None
         self.version = 0
         self.report: PublishReport | None = None  # the last version's
+        # One thread, kept from round to round, makes each round's control-plane calls (starting a thread
+        # per round cost ~0.3 ms of the round on an H200 host).
+        self._rpc: ThreadPoolExecutor | None = None
 
     @classmethod
     def trainer_init(cls, options: TrainerOptions, *, client: Any, source: Any, rank: int = 0) -> "TrainerEngine":
@@ -235,8 +240,9 @@ class TrainerEngine:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 out["error"] = exc
 
-        thread = threading.Thread(target=rpc, name="dmabuf-interop-update-weights", daemon=True)
-        thread.start()
+        if self._rpc is None:
+            self._rpc = ThreadPoolExecutor(1, thread_name_prefix="dmabuf-interop-update-weights")
+        call = self._rpc.submit(rpc)
         if not started.wait(self.options.timeout):
             raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
         if "start" in out:  # nothing was sent: the engines never began this version
@@ -248,8 +254,8 @@ class TrainerEngine:
                 self.publisher.abort(version, f"the trainer refused the version: {type(exc).__name__}: {exc}")
             raise
         finally:
-            thread.join(self.options.timeout)
-        if thread.is_alive():
+            done = concurrent.futures.wait([call], self.options.timeout).done
+        if not done:
             raise WaitTimeoutError(f"update_weights of version {version} did not return in {self.options.timeout} s")
         if "error" in out:
             raise out["error"]
@@ -258,7 +264,10 @@ class TrainerEngine:
         return version
 
     def shutdown(self) -> None:
-        """Close the channels, the listener and the pool."""
+        """Close the channels, the listener and the pool, and end the control-plane thread."""
+        if self._rpc is not None:
+            self._rpc.shutdown(wait=False)  # a call still running ends with the client's own timeout
+            self._rpc = None
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
@@ -40,18 +41,18 @@ class _Item:
     dtype: str
     staged: bool
     send: Any = None  # what goes on the channel (the tensor, its staging copy, or a carrier view of either)
-    wire: Any = None  # an unstaged item's carrier view, made once (the version's items may be used again)
 
 
 @dataclass(slots=True)
 class _Last:
     """The last version's items and batches, used again while the caller hands over the same tensors
-    (the same objects, with the same data pointer, shape, strides and dtype): checking that costs well under
-    a microsecond a tensor, working the items out again several (a load-bearing speed trick: 3.3 ms of the
-    trainer's 399-tensor update went there before the first batch left)."""
+    (the same objects, alive, with the same data pointer, shape, strides and dtype): checking that costs well
+    under a microsecond a tensor, working the items out again several (a load-bearing speed trick: 3.3 ms of
+    the trainer's 399-tensor update went there before the first batch left). Between versions nothing here
+    holds the caller's memory: the tensors are referred to weakly and each item's ``src`` is dropped."""
 
-    sig: list[tuple[str, Any, int, Any, Any, Any]]  # (name, the caller's tensor, data_ptr, shape, strides, dtype)
-    items: list[_Item]
+    sig: list[tuple[str, Any, int, Any, Any, Any]]  # (name, weakref to the caller's tensor, data_ptr, shape,
+    items: list[_Item]                              #  strides, dtype)
     batches: list[list[_Item]] | None = None  # the plan, when the version's staging was kept
 
 
@@ -185,8 +186,9 @@ class WeightPublisher:
         last = self._last
         if last is None or len(pairs) != len(last.sig):
             return None
-        for pair, (name, t, ptr, shape, strides, dtype) in zip(pairs, last.sig):
-            if (type(pair) is not tuple or len(pair) != 2 or pair[0] != name or pair[1] is not t
+        for pair, (name, ref, ptr, shape, strides, dtype) in zip(pairs, last.sig):
+            t = ref()
+            if (t is None or type(pair) is not tuple or len(pair) != 2 or pair[0] != name or pair[1] is not t
                     or t.data_ptr() != ptr or t.shape != shape or t.stride() != strides or t.dtype != dtype):
                 return None
         return last
@@ -220,7 +222,7 @@ class WeightPublisher:
             items.append(_Item(name, t, nbytes, dtype, staged=not (in_pool or lent)))
         if not items:
             raise InvalidArgumentError("an empty state dict: nothing to publish")
-        self._last = _Last([(n, t, t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in pairs], items)
+        self._last = _Last([(n, weakref.ref(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in pairs], items)
         return items
 
     def _wire(self, torch: Any, item: _Item, t: Any) -> Any:
@@ -306,49 +308,56 @@ class WeightPublisher:
         pairs = self._pairs(state)
         last = self._again(pairs)
         self._last = None  # set again below once this version's items and plan are made
-        items = last.items if last is not None else self._items(pairs)
-        self.wait(t)
-        host = self.pool.is_host
-        if stream is None and not host:
-            stream = torch.cuda.current_stream(self.pool.device)
-        # The same items as last time with their staging kept: the kept key and the plan stand.
-        keep = (last is not None and last.batches is not None) or self._keep(torch, items)
-        batches = last.batches if last is not None and last.batches is not None else self._plan(items)
-        self._last = last or self._last
-        if self._last is not None:
-            self._last.batches = batches if keep else None
-        sent = 0
+        if last is not None:
+            items = last.items
+            for it, pair in zip(items, pairs):
+                it.src = pair[1].detach()
+        else:
+            items = self._items(pairs)
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            for b, batch in enumerate(batches):
-                with ctx:
+            self.wait(t)
+            host = self.pool.is_host
+            if stream is None and not host:
+                stream = torch.cuda.current_stream(self.pool.device)
+            # The same items as last time with their staging kept: the kept key and the plan stand.
+            keep = (last is not None and last.batches is not None) or self._keep(torch, items)
+            batches = last.batches if last is not None and last.batches is not None else self._plan(items)
+            self._last = last or self._last
+            if self._last is not None:
+                self._last.batches = batches if keep else None
+            sent = 0
+            try:
+                ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                for b, batch in enumerate(batches):
+                    with ctx:
+                        for it in batch:
+                            src = it.src
+                            if it.staged:
+                                dst = self._kept[it.name] if keep else self._stage(torch, it, timeout=t)
+                                dst.copy_(src, non_blocking=not host)
+                                src = dst
+                            it.send = self._wire(torch, it, src)
+                    meta = {"weight_sync": PROTOCOL, "version": version, "batch": b, "batches": len(batches),
+                            "keep": keep, "tensors": len(items) if b == 0 else len(batch)}
+                    dtypes = {it.name: it.dtype for it in batch if _carrier(torch, it.dtype, host) is not None}
+                    if dtypes:
+                        meta["dtypes"] = dtypes
+                    payload = {it.name: it.send for it in batch}
                     for it in batch:
-                        if not it.staged:
-                            if it.wire is None:
-                                it.wire = self._wire(torch, it, it.src)
-                            it.send = it.wire
-                            continue
-                        dst = self._kept[it.name] if keep else self._stage(torch, it, timeout=t)
-                        dst.copy_(it.src, non_blocking=not host)
-                        it.send = self._wire(torch, it, dst)
-                meta = {"weight_sync": PROTOCOL, "version": version, "batch": b, "batches": len(batches),
-                        "keep": keep, "tensors": len(items) if b == 0 else len(batch)}
-                dtypes = {it.name: it.dtype for it in batch if _carrier(torch, it.dtype, host) is not None}
-                if dtypes:
-                    meta["dtypes"] = dtypes
-                payload = {it.name: it.send for it in batch}
-                for it in batch:
-                    it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
-                for ch in list(self._channels):
-                    self._leases.append(ch.send_many(payload, stream=stream, meta=meta, timeout=t))
-                payload = {}
-                sent = b + 1
-        except BaseException as exc:
-            if sent == 0:
-                raise
-            reason = f"the trainer stopped sending: {type(exc).__name__}: {exc}"
-            self.abort(version, reason)
-            raise IncompleteVersionError(version, sent, len(batches), reason) from exc
+                        it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
+                    for ch in list(self._channels):
+                        self._leases.append(ch.send_many(payload, stream=stream, meta=meta, timeout=t))
+                    payload = {}
+                    sent = b + 1
+            except BaseException as exc:
+                if sent == 0:
+                    raise
+                reason = f"the trainer stopped sending: {type(exc).__name__}: {exc}"
+                self.abort(version, reason)
+                raise IncompleteVersionError(version, sent, len(batches), reason) from exc
+        finally:
+            for it in items:
+                it.src = it.send = None  # nothing of the caller's is held past the call (_Last)
         return PublishReport(version, len(items), sum(i.nbytes for i in items),
                              sum(i.nbytes for i in items if i.staged), len(batches), len(self._channels), keep)
 
