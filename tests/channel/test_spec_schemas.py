@@ -35,9 +35,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from jsonschema import Draft202012Validator, validators
-from referencing import Registry
-from referencing.jsonschema import DRAFT202012
+
+pytest.importorskip("jsonschema", reason="the schema tests need the test extras: pip install -e '.[test]'")
+from jsonschema import Draft202012Validator, validators  # noqa: E402
+from referencing import Registry  # noqa: E402
+from referencing.jsonschema import DRAFT202012  # noqa: E402
 
 from dmabuf_interop.channel import SharedPool, connect, listen, parse_message
 from dmabuf_interop.channel import protocol as P

@@ -397,3 +397,28 @@ def test_the_publisher_holds_nothing_of_the_callers_tensors_between_versions(tmp
         del state
         gc.collect()
         assert all(r() is None for r in refs)  # the staged copies are the pool's; the caller's tensors are free
+
+
+def test_buckets_with_large_tensors_in_a_pool_of_several_chunks(tmp_path):
+    """ws-8b's shape in miniature (1/1024 of its bytes, a 4 MiB pool of 2 MiB chunks): an embedding, 36
+    layers and an lm_head each about a third of the pool's free half. Staged item by item, a batch's
+    blocks spread over both chunks and left no hole for the lm_head: it waited for room until the timeout.
+    The two halves of one staging block never fragment."""
+    addr = str(tmp_path / "w.sock")
+    g = torch.Generator().manual_seed(5)
+    state = {"embed": torch.randn(605_000, generator=g).to(torch.bfloat16)}
+    for i in range(36):
+        for k, n in (("q", 16384), ("k", 4096), ("v", 4096), ("o", 16384), ("g", 48000), ("u", 48000), ("d", 48000)):
+            state[f"l{i}.{k}"] = torch.randn(n, generator=g).to(torch.bfloat16)
+    state["lm_head"] = torch.randn(605_000, generator=g).to(torch.bfloat16)
+    with WeightPublisher(addr, max_bytes=4 << 20, timeout=10) as pub:
+        eng = Engine(addr, 3)
+        eng.start()
+        pub.accept(timeout=30)
+        reports = [pub.publish(state, v) for v in range(3)]
+        pub.wait(30)
+        eng.join(60)
+        assert pub.pool.capacity <= 4 << 20
+    assert not eng.errors and sorted(eng.got) == [0, 1, 2]
+    assert all(_equal(eng.got[v], state) for v in range(3))
+    assert all(not r.kept and r.batches > 2 for r in reports)

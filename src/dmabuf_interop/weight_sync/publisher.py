@@ -104,6 +104,9 @@ class WeightPublisher:
         self._kept: dict[str, Any] = {}  # name -> staging tensor, while a version fits in the pool
         self._kept_key: tuple[Any, ...] | None = None
         self._last: _Last | None = None
+        # A bucketed version's staging: one pool block whose two halves take the batches in turn (see _buckets).
+        self._bucket: Any = None  # the block as a flat uint8 tensor, kept from version to version
+        self._bucket_key: tuple[Any, ...] | None = None  # the layout that went in buckets
         self._lock = threading.Lock()
 
     # --- engines ---------------------------------------------------------------------------
@@ -237,16 +240,27 @@ class WeightPublisher:
         buf = torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
         return buf[:item.nbytes].view(item.src.dtype).view(item.src.shape)
 
-    def _plan(self, items: list[_Item]) -> list[list[_Item]]:
+    def _room(self) -> int:
+        """Bytes a bucketed version may stage per batch: half of the pool's free bytes (this publisher's
+        bucket staging counted as free), rounded down to 256 bytes, and to the chunk granularity of a device
+        pool from one granule up."""
+        own = 0 if self._bucket is None else int(self._bucket.numel())
+        half = (self.pool.max_bytes - self.pool.used_bytes + own) // 2 // 256 * 256  # blocks are 256-byte aligned
+        if not self.pool.is_host:
+            from ..mechanisms.posix_fd import granularity
+
+            g = granularity(self.pool.device)
+            half = half // g * g if half >= g else half
+        return half
+
+    def _plan(self, items: list[_Item], half: int | None) -> list[list[_Item]]:
         """Batches in order: a first of 1/16 of the bytes, then ``stream_batches`` of about equal bytes,
-        none over :data:`MAX_BATCH_ITEMS`, and (staging not kept) none staging more than half the pool."""
+        none over :data:`MAX_BATCH_ITEMS`, and (``half``: staging not kept) none staging more than ``half``."""
         total = sum(i.nbytes for i in items)
         n = self.stream_batches
         first = total / 16 if n > 1 else total
         each = (total - first) / n if n > 1 else total
-        half = None
-        if not self._kept:
-            half = (self.pool.max_bytes - self.pool.used_bytes) // 2
+        if half is not None:
             big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
             if big is not None and _aligned(big.nbytes) > half:
                 raise InvalidArgumentError(
@@ -273,16 +287,37 @@ class WeightPublisher:
         key = tuple((i.name, i.dtype, tuple(i.src.shape), i.staged) for i in items)
         if key == self._kept_key:
             return True
+        if key == self._bucket_key:
+            return False  # it did not fit before: trying again each version would cost as much as it saves
         self._kept, self._kept_key = {}, None
+        self._bucket, self._bucket_key = None, None
         kept: dict[str, Any] = {}
         try:
             for it in items:
                 if it.staged:
                     kept[it.name] = self._stage(torch, it, timeout=0)
         except PoolExhaustedError:
+            self._bucket_key = key
             return False
         self._kept, self._kept_key = kept, key
         return True
+
+    def _buckets(self, torch: Any, half: int) -> Any:
+        """The bucket staging: one pool block of ``2 * half`` bytes (kept while its size stands) whose two
+        halves take the batches in turn, batch ``b`` in half ``b % 2`` once the engines gave batch ``b - 2``
+        back; ``None`` where the pool has no such block free now (each item is then staged in a block of its
+        own, as room comes back). One block, not a block per item: items of a batch spread over several
+        chunks could leave no hole large enough for the next batch's largest item in any of them, though
+        half the pool is free (a 1.2 GB tensor waited for room that never came in a 4 GiB pool)."""
+        if self._bucket is not None and int(self._bucket.numel()) == 2 * half:
+            return self._bucket
+        self._bucket = None
+        try:
+            flat = self.pool.empty((2 * half,), "uint8", timeout=0)
+        except (PoolExhaustedError, InvalidArgumentError):  # no room now, or never in its own chunk: per item
+            return None
+        self._bucket = torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
+        return self._bucket
 
     def publish(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int, *,
                 stream: Any = None, timeout: float | None = None) -> PublishReport:
@@ -321,7 +356,10 @@ class WeightPublisher:
                 stream = torch.cuda.current_stream(self.pool.device)
             # The same items as last time with their staging kept: the kept key and the plan stand.
             keep = (last is not None and last.batches is not None) or self._keep(torch, items)
-            batches = last.batches if last is not None and last.batches is not None else self._plan(items)
+            half = None if keep else self._room()
+            batches = last.batches if last is not None and last.batches is not None else self._plan(items, half)
+            bucket = None if half is None else self._buckets(torch, half)
+            sent_leases: list[list[Any]] = []  # per batch, one lease per engine
             self._last = last or self._last
             if self._last is not None:
                 self._last.batches = batches if keep else None
@@ -329,11 +367,23 @@ class WeightPublisher:
             try:
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                 for b, batch in enumerate(batches):
+                    off = 0
+                    if bucket is not None:
+                        if b >= 2:  # batch b-2 had this half: the engines read it and gave it back
+                            for lease in sent_leases[b - 2]:
+                                lease.wait(t)
+                        off = (b % 2) * half  # type: ignore[operator]
                     with ctx:
                         for it in batch:
                             src = it.src
                             if it.staged:
-                                dst = self._kept[it.name] if keep else self._stage(torch, it, timeout=t)
+                                if keep:
+                                    dst = self._kept[it.name]
+                                elif bucket is not None:
+                                    dst = bucket[off:off + it.nbytes].view(it.src.dtype).view(it.src.shape)
+                                    off += _aligned(it.nbytes)
+                                else:
+                                    dst = self._stage(torch, it, timeout=t)
                                 dst.copy_(src, non_blocking=not host)
                                 src = dst
                             it.send = self._wire(torch, it, src)
@@ -345,8 +395,9 @@ class WeightPublisher:
                     payload = {it.name: it.send for it in batch}
                     for it in batch:
                         it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
-                    for ch in list(self._channels):
-                        self._leases.append(ch.send_many(payload, stream=stream, meta=meta, timeout=t))
+                    leases = [ch.send_many(payload, stream=stream, meta=meta, timeout=t) for ch in list(self._channels)]
+                    self._leases += leases
+                    sent_leases.append(leases)
                     payload = {}
                     sent = b + 1
             except BaseException as exc:
@@ -384,6 +435,7 @@ class WeightPublisher:
     def close(self) -> None:
         """Close every engine's channel, the listener, and the pool if the publisher made it."""
         self._kept, self._kept_key, self._leases, self._last = {}, None, [], None
+        self._bucket = self._bucket_key = None
         for ch in self._channels:
             ch.close()
         self._channels = []
