@@ -422,3 +422,38 @@ def test_buckets_with_large_tensors_in_a_pool_of_several_chunks(tmp_path):
     assert not eng.errors and sorted(eng.got) == [0, 1, 2]
     assert all(_equal(eng.got[v], state) for v in range(3))
     assert all(not r.kept and r.batches > 2 for r in reports)
+
+
+def test_an_engine_that_exits_with_a_batch_being_taken_ahead_exits_at_once(tmp_path):
+    """The prefetch worker waits for batch 1 (which never comes) when the engine's program ends without
+    closing anything: the interpreter exits at once, not after the batch timeout (60 s here)."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    addr = str(tmp_path / "w.sock")
+    script = textwrap.dedent(f"""
+        import sys
+        from dmabuf_interop.weight_sync import WeightReceiver
+        rx = WeightReceiver({addr!r}, timeout=60, wait=True)
+        rv = rx.receive()
+        it = rv.batches()
+        next(it)  # batch 0 of 2; the worker now waits for batch 1
+        print("took batch 0", flush=True)
+        sys.exit(0)
+    """)
+    with SharedPool(None, chunk_bytes=1 << 20, max_bytes=1 << 20) as pool, listen(addr, pool=pool) as lst:
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            ch = lst.accept(timeout=30)
+            ch.send_many({"w": pool.empty((4,), "float32")}, meta={"weight_sync": 1, "version": 1, "batch": 0,
+                                                                  "batches": 2, "keep": True, "tensors": 2})
+            assert child.stdout.readline().strip() == "took batch 0"
+            t0 = time.monotonic()
+            assert child.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 10
+            ch.close()
+        finally:
+            child.kill()
+            child.wait()
