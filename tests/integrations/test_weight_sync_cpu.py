@@ -457,3 +457,210 @@ def test_an_engine_that_exits_with_a_batch_being_taken_ahead_exits_at_once(tmp_p
         finally:
             child.kill()
             child.wait()
+
+
+def _bucketed_state(v: float) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((64 * 1024,), float(v)) for i in range(8)}  # 8 x 256 KiB float32, staged
+
+
+def test_a_loader_that_fails_in_a_bucketed_version_is_reported_at_once(tmp_path):
+    """Buckets (a 1 MiB pool): the receiver gives batch i-1 back as it takes batch i, so the trainer can stage
+    batch i+1, which the prefetch worker waits for. A loader that fails on batch 1 is reported at once and the
+    next version arrives, with no wait for the trainer's timeout."""
+    import time
+
+    addr = str(tmp_path / "w.sock")
+    calls = {"n": 0}
+
+    def flaky(items):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("engine out of memory")
+
+    with WeightPublisher(addr, max_bytes=1 << 20, timeout=20) as pub:
+        eng = Engine(addr, 2, load=flaky)
+        eng.start()
+        pub.accept(timeout=30)
+        t0 = time.monotonic()
+        first = pub.publish(_bucketed_state(1), 1)
+        pub.wait(20)
+        state = _bucketed_state(2)
+        pub.publish(state, 2)
+        eng.join(60)
+        elapsed = time.monotonic() - t0
+    assert not first.kept and first.batches > 2
+    (err,) = eng.errors
+    assert isinstance(err, IncompleteVersionError) and "engine out of memory" in err.reason
+    assert _equal(eng.got[2], state) and elapsed < 10
+
+
+def test_a_bucketed_version_that_fails_part_way_still_tells_the_engines(tmp_path):
+    """The bucket staging takes what the pool has free; the abort batch's byte was taken at start, so the
+    engines are told (not cut off) and the next version arrives."""
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=1 << 20, timeout=20) as pub:
+        eng = Engine(addr, 2)
+        eng.start()
+        pub.accept(timeout=30)
+        state = _bucketed_state(3)
+        state["zzz"] = torch.ones(64 * 1024).as_subclass(_Exploding)  # its copy into the pool fails, last
+        with pytest.raises(IncompleteVersionError, match="went bad"):
+            pub.publish(state, 3)
+        pub.wait(20)
+        good = _bucketed_state(4)
+        report = pub.publish(good, 4)
+        eng.join(60)
+        assert report.engines == 1  # the engine was told, not cut off
+    (err,) = eng.errors
+    assert isinstance(err, IncompleteVersionError) and "the trainer aborted" in err.reason
+    assert _equal(eng.got[4], good)
+
+
+def test_buckets_in_a_pool_whose_free_bytes_are_split_over_chunks(tmp_path):
+    """The trainer keeps 600 KiB blocks of its own in each 1 MiB chunk of a 4 MiB pool: no block of twice a
+    bucket fits, so the buckets are two blocks apart, sized to what the chunks have."""
+    addr = str(tmp_path / "w.sock")
+    with WeightPublisher(addr, max_bytes=4 << 20, chunk_bytes=1 << 20, timeout=10, stream_batches=1) as pub:
+        own = [pub.pool.empty((600 * 1024,), "uint8", timeout=0) for _ in range(4)]
+        eng = Engine(addr, 2)
+        eng.start()
+        pub.accept(timeout=30)
+        states = [{f"w{i}": torch.full((220 * 256,), float(v)) for i in range(8)} for v in (1, 2)]
+        reports = [pub.publish(s, v) for v, s in zip((1, 2), states)]
+        eng.join(60)
+        assert len(own) == 4 and pub.pool.capacity <= 4 << 20
+    assert not eng.errors and all(_equal(eng.got[v], s) for v, s in zip((1, 2), states))
+    assert all(not r.kept for r in reports)
+
+
+def test_a_version_given_back_part_way_is_skipped_with_its_abort(tmp_path):
+    """An engine stops reading version 1 after its second batch and gives it back; the trainer then aborts
+    version 1. The engine's next load skips the rest of version 1 and its abort, and returns version 2."""
+    addr = str(tmp_path / "w.sock")
+    out: dict[str, object] = {}
+    stopped = threading.Event()
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            with rx.receive() as rv:
+                for b in rv.batches():
+                    if b.index == 1:
+                        break
+            stopped.set()
+            out["next"] = rx.load(lambda items: None)
+
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        th = threading.Thread(target=engine, daemon=True)
+        th.start()
+        pub.accept(timeout=30)
+        pub.publish(_state(1), 1)
+        assert stopped.wait(30)
+        pub.abort(1, "the trainer gave up on version 1")
+        pub.wait(30)
+        pub.publish(_state(2), 2)
+        th.join(60)
+    assert out["next"] == 2
+
+
+def test_an_engine_killed_mid_run_is_dropped_and_the_others_go_on(tmp_path):
+    """Two engines; one is SIGKILLed while it holds version 1. The publisher drops its channel (its leases
+    completed as disconnected) and version 2 reaches the other, whole."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    addr = str(tmp_path / "w.sock")
+    victim_src = textwrap.dedent(f"""
+        import time
+        from dmabuf_interop.weight_sync import WeightReceiver
+        rx = WeightReceiver({addr!r}, timeout=60, wait=True)
+        rv = rx.receive()
+        for b in rv.batches():
+            pass
+        print("holding version", rv.version, flush=True)
+        time.sleep(60)
+    """)
+    with WeightPublisher(addr, max_bytes=1 << 20) as pub:
+        survivor = Engine(addr, 2)
+        survivor.start()
+        pub.accept(timeout=30)
+        victim = subprocess.Popen([sys.executable, "-c", victim_src], stdout=subprocess.PIPE, text=True)
+        try:
+            pub.accept(timeout=30)
+            pub.publish(_state(1), 1)
+            assert victim.stdout.readline().strip() == "holding version 1"
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(30)
+            pub.wait(30)  # the victim's leases complete as disconnected
+            state = _state(2)
+            report = pub.publish(state, 2)
+            engines = pub.engines
+            survivor.join(60)
+        finally:
+            victim.kill()
+            victim.wait()
+        assert report.engines == 1 and engines == 1
+    assert not survivor.errors and _equal(survivor.got[2], state)
+
+
+def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp_path):
+    """``start_weight_update`` outlasts the trainer's timeout once: that round fails, and its update_weights
+    is never sent; the next rounds go through at once on a new control-plane thread."""
+    import time
+
+    from dmabuf_interop.integrations.vllm import InitInfo, TrainerEngine, TrainerOptions, UpdateInfo, WorkerEngine
+
+    class Model:
+        def __init__(self) -> None:
+            self.w = torch.zeros(1000)
+
+        def load_weights(self, items):
+            for _, t in items:
+                self.w.copy_(t)
+
+    model = Model()
+    worker = WorkerEngine(torch.device("cpu"), model)
+    updates: list[int] = []
+
+    class Client:
+        starts = 0
+
+        def init_weight_transfer_engine(self, info):
+            worker.init_transfer_engine(InitInfo(**info))
+
+        def start_weight_update(self):
+            Client.starts += 1
+            if Client.starts == 1:
+                time.sleep(2.0)
+
+        def update_weights(self, info):
+            updates.append(info["version"])
+            worker.receive_weights(UpdateInfo(**info))
+
+        def finish_weight_update(self):
+            pass
+
+    weights = {"w": torch.zeros(1000)}
+
+    class Source:
+        def iter_full(self):
+            return iter(weights.items())
+
+    options = TrainerOptions(address=str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=1.0)
+    engine = TrainerEngine.trainer_init(options, client=Client(), source=Source())
+    try:
+        from dmabuf_interop.errors import WaitTimeoutError
+
+        with pytest.raises(WaitTimeoutError, match="start_weight_update"):
+            engine.send_weights()
+        for k in (2, 3):
+            weights["w"].fill_(k)
+            t0 = time.monotonic()
+            assert engine.send_weights() == k
+            assert time.monotonic() - t0 < 1.0 and model.w[0].item() == k
+        time.sleep(1.5)  # round 1's start returns now: its update_weights must not follow
+        assert updates == [2, 3]
+    finally:
+        engine.shutdown()
+        worker.shutdown()

@@ -224,6 +224,7 @@ class TrainerEngine:
         version = self.version
         out: dict[str, BaseException] = {}
         started = threading.Event()
+        given_up = threading.Event()
 
         def rpc() -> None:
             # One thread makes both calls, so update_weights leaves as soon as start_weight_update returns
@@ -235,6 +236,8 @@ class TrainerEngine:
                 return
             finally:
                 started.set()
+            if given_up.is_set():
+                return  # the round was given up: no engine waits for a version that was never sent
             try:
                 self.client.update_weights(asdict(UpdateInfo(version)))
             except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -244,6 +247,9 @@ class TrainerEngine:
             self._rpc = DaemonWorker("dmabuf-interop-update-weights")
         call = self._rpc.submit(rpc)
         if not started.wait(self.options.timeout):
+            given_up.set()
+            self._rpc.shutdown(timeout=0)  # still in start_weight_update: the next round gets a thread of its own
+            self._rpc = None
             raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
         if "start" in out:  # nothing was sent: the engines never began this version
             raise out["start"]
@@ -256,6 +262,8 @@ class TrainerEngine:
         finally:
             done = concurrent.futures.wait([call], self.options.timeout).done
         if not done:
+            self._rpc.shutdown(timeout=0)  # still in update_weights: the next round gets a thread of its own
+            self._rpc = None
             raise WaitTimeoutError(f"update_weights of version {version} did not return in {self.options.timeout} s")
         if "error" in out:
             raise out["error"]

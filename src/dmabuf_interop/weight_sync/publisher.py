@@ -104,8 +104,8 @@ class WeightPublisher:
         self._kept: dict[str, Any] = {}  # name -> staging tensor, while a version fits in the pool
         self._kept_key: tuple[Any, ...] | None = None
         self._last: _Last | None = None
-        # A bucketed version's staging: one pool block whose two halves take the batches in turn (see _buckets).
-        self._bucket: Any = None  # the block as a flat uint8 tensor, kept from version to version
+        # A bucketed version's staging: two blocks that take the batches in turn (see _buckets).
+        self._bucket: list[Any] | None = None  # the two as flat uint8 tensors, kept from version to version
         self._bucket_key: tuple[Any, ...] | None = None  # the layout that went in buckets
         self._lock = threading.Lock()
 
@@ -113,8 +113,15 @@ class WeightPublisher:
 
     @property
     def engines(self) -> int:
-        """Engines connected now."""
-        return len(self._channels)
+        """Engines connected now (a channel whose connection ended is not counted)."""
+        return sum(not ch.closed for ch in self._channels)
+
+    def _prune(self) -> None:
+        """Drop the channels whose connection ended (an engine that went, even by SIGKILL): their leases
+        completed as ``"disconnected"`` and the other engines go on."""
+        for ch in [ch for ch in self._channels if ch.closed]:
+            ch.close(timeout=0)
+            self._channels.remove(ch)
 
     def accept(self, timeout: float | None = 60.0) -> None:
         """Take the next engine's connection (its peer checked; :meth:`Listener.accept`'s errors)."""
@@ -212,6 +219,8 @@ class WeightPublisher:
             if not isinstance(t, torch.Tensor) or hasattr(t, "device_mesh"):
                 raise InvalidArgumentError(f"{name}: a torch.Tensor is needed (a DTensor materialised with "
                                            f"full_tensor()), got {type(t).__name__}")
+            if t.is_meta:
+                raise InvalidArgumentError(f"{name}: a meta tensor has no data to send")
             dtype = _dtype_name(t.dtype)
             if dtype not in DTYPES:
                 raise InvalidArgumentError(f"{name}: dtype {dtype} cannot be sent (choose from {', '.join(DTYPES)})")
@@ -244,14 +253,8 @@ class WeightPublisher:
         """Bytes a bucketed version may stage per batch: half of the pool's free bytes (this publisher's
         bucket staging counted as free), rounded down to 256 bytes, and to the chunk granularity of a device
         pool from one granule up."""
-        own = 0 if self._bucket is None else int(self._bucket.numel())
-        half = (self.pool.max_bytes - self.pool.used_bytes + own) // 2 // 256 * 256  # blocks are 256-byte aligned
-        if not self.pool.is_host:
-            from ..mechanisms.posix_fd import granularity
-
-            g = granularity(self.pool.device)
-            half = half // g * g if half >= g else half
-        return half
+        own = 0 if self._bucket is None else sum(int(b.numel()) for b in self._bucket)
+        return self._rounded((self.pool.max_bytes - self.pool.used_bytes + own) // 2)
 
     def _plan(self, items: list[_Item], half: int | None) -> list[list[_Item]]:
         """Batches in order: a first of 1/16 of the bytes, then ``stream_batches`` of about equal bytes,
@@ -302,22 +305,52 @@ class WeightPublisher:
         self._kept, self._kept_key = kept, key
         return True
 
-    def _buckets(self, torch: Any, half: int) -> Any:
-        """The bucket staging: one pool block of ``2 * half`` bytes (kept while its size stands) whose two
-        halves take the batches in turn, batch ``b`` in half ``b % 2`` once the engines gave batch ``b - 2``
-        back; ``None`` where the pool has no such block free now (each item is then staged in a block of its
-        own, as room comes back). One block, not a block per item: items of a batch spread over several
-        chunks could leave no hole large enough for the next batch's largest item in any of them, though
-        half the pool is free (a 1.2 GB tensor waited for room that never came in a 4 GiB pool)."""
-        if self._bucket is not None and int(self._bucket.numel()) == 2 * half:
-            return self._bucket
-        self._bucket = None
+    def _buckets(self, torch: Any, half: int, floor: int) -> tuple[list[Any], int] | None:
+        """The bucket staging: two blocks of ``size`` bytes, kept while they hold the largest item, that take
+        the batches in turn (batch ``b`` in block ``b % 2``, once the engines gave batch ``b - 2`` back), with ``size``
+        the largest of ``half``, its halvings and ``floor`` (the largest staged item) for which the pool has
+        them now: one block of twice the size cut in two, or two blocks. ``None``: not even ``floor`` fits.
+        Two blocks for the whole version, not one per item: items of a batch spread over several chunks
+        could leave no hole for the next batch's largest item in any of them, though half the pool was
+        free (ws-8b's 1.2 GB lm_head waited for room that never came in a 4 GiB pool)."""
+        if self._bucket is not None and int(self._bucket[0].numel()) >= floor:
+            return self._bucket, int(self._bucket[0].numel())  # kept: no new chunk, no new export
+        self._bucket = None  # (the only reference: its blocks are free for the tries below)
+        size = half
+        while size >= floor:
+            halves = self._two_blocks(torch, size)
+            if halves is not None:
+                self._bucket = halves
+                return halves, size
+            if size == floor:
+                return None
+            size = max(floor, self._rounded(size // 2))
+        return None
+
+    def _two_blocks(self, torch: Any, size: int) -> list[Any] | None:
+        def block(n: int) -> Any:
+            flat = self.pool.empty((n,), "uint8", timeout=0)
+            return torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
+
         try:
-            flat = self.pool.empty((2 * half,), "uint8", timeout=0)
-        except (PoolExhaustedError, InvalidArgumentError):  # no room now, or never in its own chunk: per item
+            both = block(2 * size)
+            return [both[:size], both[size:]]
+        except (PoolExhaustedError, InvalidArgumentError):  # no hole or chunk that large: two apart
+            pass
+        try:
+            return [block(size), block(size)]
+        except (PoolExhaustedError, InvalidArgumentError):
             return None
-        self._bucket = torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
-        return self._bucket
+
+    def _rounded(self, n: int) -> int:
+        """``n`` rounded down to 256 bytes, and to the chunk granularity of a device pool from one granule up."""
+        n = n // 256 * 256
+        if not self.pool.is_host:
+            from ..mechanisms.posix_fd import granularity
+
+            g = granularity(self.pool.device)
+            n = n // g * g if n >= g else n
+        return n
 
     def publish(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int, *,
                 stream: Any = None, timeout: float | None = None) -> PublishReport:
@@ -328,15 +361,21 @@ class WeightPublisher:
         (default: torch's current stream of the pool's GPU); the engines' streams wait for them.
 
         Raises:
-            InvalidArgumentError: not tensors, unsupported dtypes, duplicate names, no engine connected, a
-                staged tensor larger than half the pool (nothing was sent).
+            InvalidArgumentError: not tensors (or meta tensors), unsupported dtypes, duplicate names, no engine
+                connected, a staged tensor larger than half the pool (nothing was sent).
             IncompleteVersionError: sending stopped after a first batch went out (engines were told).
-            WaitTimeoutError, PoolExhaustedError, PeerClosedError: an engine did not give a version back
-                in time, or went (before anything of this version was sent).
+            WaitTimeoutError: an engine did not give a version back in time (before anything of this version
+                was sent).
+            PoolExhaustedError: a version that goes in buckets found no two free blocks of its largest staged
+                tensor's size (nothing was sent).
+            PeerClosedError: the last engine went (before anything of this version was sent). An engine that
+                goes while others stay is dropped, and the version goes on to the others
+                (:attr:`PublishReport.engines`).
         """
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidArgumentError(f"version must be an int >= 0, got {version!r}")
+        self._prune()
         if not self._channels:
             raise InvalidArgumentError("no engine is connected: accept() first")
         t = self.timeout if timeout is None else timeout
@@ -356,9 +395,19 @@ class WeightPublisher:
                 stream = torch.cuda.current_stream(self.pool.device)
             # The same items as last time with their staging kept: the kept key and the plan stand.
             keep = (last is not None and last.batches is not None) or self._keep(torch, items)
-            half = None if keep else self._room()
+            half = bucket = None
+            if not keep:
+                half = self._room()
+                floor = max((_aligned(i.nbytes) for i in items if i.staged), default=256)
+                self._plan(items, half)  # (refuses an item that could never go: nothing is sent)
+                got = self._buckets(torch, half, floor)
+                if got is None:
+                    raise PoolExhaustedError(
+                        f"no room to stage a bucketed version: it needs two free blocks of at least {floor} bytes "
+                        f"(its largest staged tensor), and the pool has none now ({self.pool.used_bytes} of "
+                        f"max_bytes {self.pool.max_bytes} in use)")
+                bucket, half = got
             batches = last.batches if last is not None and last.batches is not None else self._plan(items, half)
-            bucket = None if half is None else self._buckets(torch, half)
             sent_leases: list[list[Any]] = []  # per batch, one lease per engine
             self._last = last or self._last
             if self._last is not None:
@@ -368,22 +417,18 @@ class WeightPublisher:
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                 for b, batch in enumerate(batches):
                     off = 0
-                    if bucket is not None:
-                        if b >= 2:  # batch b-2 had this half: the engines read it and gave it back
-                            for lease in sent_leases[b - 2]:
-                                lease.wait(t)
-                        off = (b % 2) * half  # type: ignore[operator]
+                    if bucket is not None and b >= 2:  # batch b-2 had this block: the engines gave it back
+                        for lease in sent_leases[b - 2]:
+                            lease.wait(t)
                     with ctx:
                         for it in batch:
                             src = it.src
                             if it.staged:
                                 if keep:
                                     dst = self._kept[it.name]
-                                elif bucket is not None:
-                                    dst = bucket[off:off + it.nbytes].view(it.src.dtype).view(it.src.shape)
-                                    off += _aligned(it.nbytes)
                                 else:
-                                    dst = self._stage(torch, it, timeout=t)
+                                    dst = bucket[b % 2][off:off + it.nbytes].view(it.src.dtype).view(it.src.shape)
+                                    off += _aligned(it.nbytes)
                                 dst.copy_(src, non_blocking=not host)
                                 src = dst
                             it.send = self._wire(torch, it, src)
@@ -395,8 +440,18 @@ class WeightPublisher:
                     payload = {it.name: it.send for it in batch}
                     for it in batch:
                         it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
-                    leases = [ch.send_many(payload, stream=stream, meta=meta, timeout=t) for ch in list(self._channels)]
-                    self._leases += leases
+                    leases = []
+                    for ch in list(self._channels):
+                        try:
+                            lease = ch.send_many(payload, stream=stream, meta=meta, timeout=t)
+                        except DmaBufError:
+                            if not ch.closed or len(self._channels) == 1:
+                                raise
+                            self._channels.remove(ch)  # that engine went: the others go on
+                            ch.close(timeout=0)
+                            continue
+                        self._leases.append(lease)
+                        leases.append(lease)
                     sent_leases.append(leases)
                     payload = {}
                     sent = b + 1
@@ -421,7 +476,7 @@ class WeightPublisher:
         try:
             token = self.pool.empty((1,), "uint8", timeout=0)
         except DmaBufError:
-            token = None
+            token = self._spare_byte()
         for ch in list(self._channels):
             try:
                 if token is None:  # no room for the token: ending the channel reports it as well
@@ -431,6 +486,16 @@ class WeightPublisher:
             except DmaBufError:
                 ch.close(timeout=0)
                 self._channels.remove(ch)
+
+    def _spare_byte(self) -> Any:
+        """A byte of this publisher's own staging, for an abort batch when the pool has no room (a bucketed
+        version's staging takes what the pool has free): lent once more, never read; ``None`` if none."""
+        torch = _torch()
+        held = self._bucket[0] if self._bucket is not None else next(iter(self._kept.values()), None)
+        if held is None:
+            return None
+        b = held.reshape(-1).view(torch.uint8)[:1]
+        return b.numpy() if self.pool.is_host else b
 
     def close(self) -> None:
         """Close every engine's channel, the listener, and the pool if the publisher made it."""

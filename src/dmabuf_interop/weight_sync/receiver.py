@@ -120,13 +120,16 @@ class ReceivedVersion:
                                                  f"{type(exc).__name__}: {exc}") from exc
                 self._held.append(b)
                 self.applied += 1
+                if not self._first["keep"] and len(self._held) > 1:  # type: ignore[index]
+                    # The trainer reuses its pool: batch i-1 goes back as batch i is taken (the caller asked
+                    # for batch i, so it is done with i-1), before i+1 is asked for, which the trainer stages
+                    # in i-1's place.
+                    old = self._held.pop(0)
+                    old.items = []
+                    release_all(old.received)
                 if self._prefetch is not None and index + 1 < (self.batches_total or 0):
                     self._ahead = self._prefetch.submit(self._recv, index + 1)
                 yield b
-                if not self._first["keep"] and len(self._held) > 1:  # type: ignore[index]
-                    old = self._held.pop(0)  # the trainer reuses its pool: give batch i-1 back
-                    old.items = []
-                    release_all(old.received)
                 index += 1
         except IncompleteVersionError:
             self._rx.partial = self.version
@@ -198,16 +201,21 @@ class ReceivedVersion:
             index += 1
 
     def release(self) -> None:
-        """Give back every batch still held (one stream synchronisation per stream), a batch the prefetch
-        worker is taking too."""
-        self._settle()
-        held, self._held = self._held, []
-        rec = []
-        for b in held:
-            b.items = []
-            rec += b.received.values()
-        if rec:
-            release_all(rec)
+        """Give back every batch still held (one stream synchronisation per stream), then a batch the
+        prefetch worker is taking (the trainer may be waiting for the first to send the second). A version
+        given back before its last batch was read is skipped, rest and abort alike, by the next receive."""
+        if not self._done and self.version is not None:
+            self._rx.partial = self.version
+        for settle in (False, True):
+            if settle:
+                self._settle()
+            held, self._held = self._held, []
+            rec = []
+            for b in held:
+                b.items = []
+                rec += b.received.values()
+            if rec:
+                release_all(rec)
 
     def __enter__(self) -> "ReceivedVersion":
         return self
