@@ -824,3 +824,28 @@ def test_a_peer_that_fills_its_wake_socket_and_makes_it_blocking_cannot_hang_sen
                 done.set()
         del block
     t.join(10)
+
+
+def test_a_reader_asleep_on_rings_unmapped_under_it_ends_without_a_traceback(tmp_path: Path) -> None:
+    """At interpreter exit the rings' finalizers unmap the regions while the background reader may sleep on
+    them (an unclosed channel): the reader, woken by the peer's end, ends the connection on the socket alone,
+    with no exception in its thread."""
+    errors: list[BaseException] = []
+    old = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        with SharedPool(None, chunk_bytes=1 << 20, max_bytes=1 << 20) as pool:
+            lst, prod, cons = _pair(str(tmp_path / "c.sock"), pool)
+            lease = prod.send(pool.empty(16, "uint8"), timeout=5)  # the producer's reader starts
+            r = cons.recv(5)
+            r.release()
+            lease.wait(5)
+            time.sleep(0.1)  # its reader sleeps on the ring
+            prod._rings._finalizer()  # what the exit's finalizers do
+            cons.close()  # the peer goes: the reader wakes
+            prod._reader.join(5)
+            assert not prod._reader.is_alive() and prod.closed
+            lst.close()
+    finally:
+        threading.excepthook = old
+    assert errors == []

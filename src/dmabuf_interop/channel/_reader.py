@@ -152,7 +152,10 @@ def _read_loop(ref: "weakref.ref[Reading]", conn: _Conn) -> None:
                     try:
                         poller.poll()  # PEP 475: an EINTR is retried
                     finally:
-                        rings.sleep_end()
+                        try:
+                            rings.sleep_end()
+                        except ValueError:  # unmapped under this thread: their finalizer ran (interpreter exit)
+                            conn.rings = None  # the socket alone from here: its end ends the connection
             else:
                 poller.poll()
             ch = ref()
