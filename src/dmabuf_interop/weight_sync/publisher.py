@@ -413,6 +413,7 @@ class WeightPublisher:
             if self._last is not None:
                 self._last.batches = batches if keep else None
             sent = 0
+            began = False  # an engine has a batch of this version: a failure from here on is told to them all
             try:
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                 for b, batch in enumerate(batches):
@@ -439,7 +440,7 @@ class WeightPublisher:
                         meta["dtypes"] = dtypes
                     payload = {it.name: it.send for it in batch}
                     for it in batch:
-                        it.send = None  # the leases hold the blocks: a bucket's staging goes back when released
+                        it.send = None  # the leases hold the blocks
                     leases = []
                     for ch in list(self._channels):
                         try:
@@ -452,11 +453,12 @@ class WeightPublisher:
                             continue
                         self._leases.append(lease)
                         leases.append(lease)
+                        began = True
                     sent_leases.append(leases)
                     payload = {}
                     sent = b + 1
             except BaseException as exc:
-                if sent == 0:
+                if not began:
                     raise
                 reason = f"the trainer stopped sending: {type(exc).__name__}: {exc}"
                 self.abort(version, reason)
