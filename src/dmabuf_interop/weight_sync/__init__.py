@@ -23,9 +23,10 @@ handed to the channel, which lends torch's pages in place; any other tensor is
 copied once into the pool (staged), however many engines there are. Staging
 buffers are kept from version to version when they all fit in the pool
 (``keep``: the engine may hold every batch until it releases the version);
-otherwise a version goes in buckets of at most half the pool, each staged when
-the engines gave the one two before it back (the pool is reused), and an engine
-gives batch ``i-1`` back once it has taken batch ``i``.
+otherwise a version goes in buckets of at most half the pool's free bytes, staged
+in turn in two blocks kept from version to version, each when the engines gave
+the one two before it back (the pool is reused), and an engine gives batch
+``i-1`` back as it takes batch ``i``.
 
 A version that stops part-way is reported, never half-applied silently: the
 trainer sends an ``abort`` batch when it fails after the first batch went out,
