@@ -128,7 +128,8 @@ from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._lending import Lending
 from ._link import SEND_TIMEOUT, Link
-from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop
+from ._reader import (Reading, ReleaseWaits, _check_max_queued, _collected, _Conn, _drop_queue, _Queued,
+                      _read_loop)
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
@@ -235,6 +236,8 @@ class Channel(Lending, Reading):
         self._conn = _Conn(sock, self._frames, self._proto, self._state, self._link, self._releases, self._memos,
                            self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued,
                            rings=rings)
+        # Ring releases for those who wait on a lease (Note [waking for releases], in ._ring); None: no ring.
+        self._waits = ReleaseWaits(self._conn) if rings is not None else None
         self._queue: collections.deque[_Queued] = self._conn.queue
         self._imports: dict[int, Any] = self._conn.imports
         self._layout_views: dict[int, LayoutViews] = self._conn.layout_views
@@ -371,7 +374,10 @@ class Channel(Lending, Reading):
 
     @property
     def outstanding(self) -> int:
-        """Leases lent on this channel and not yet released."""
+        """Leases lent on this channel and not yet released (releases the peer put in the shared-memory ring
+        are taken first)."""
+        if self._waits is not None:
+            self._waits.take()
         with self._state:
             return self._proto.lent
 
