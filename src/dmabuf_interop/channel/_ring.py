@@ -575,7 +575,9 @@ class Rings:
         (:data:`SLEEP_SLOTS`), store :data:`SLEEP_ALL` (seq_cst), so that the peer's next release wakes it;
         then load the peer's ``rel_tail`` (seq_cst). Returns True when releases are waiting (take them with
         :meth:`take_releases`): the peer may have published them without a wake-up. Call it under the lock that
-        serialises :meth:`take_releases`. Returns False when closed or not attached. Note [waking for releases].
+        serialises :meth:`take_releases`, or from the sleeper's thread (between :meth:`sleep_begin` and
+        :meth:`sleep_end`: a head it reads stale only makes it say True). Returns False when closed or not
+        attached. Note [waking for releases].
 
         Raises:
             ForkedResourceError: inherited through ``fork()``.

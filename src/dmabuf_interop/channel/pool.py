@@ -302,7 +302,7 @@ class SharedPool:
                             waits = [w for ch in self._channels if (w := ch._waits) is not None]
                             if waits:
                                 announce = True
-                                break  # (outside this lock: it takes the channels' state locks)
+                                break  # outside this lock: the channels' state locks come before it
                         self._cond.wait(left)
                 if announce:
                     # Blocks come back as leases complete: the channels' readers must be woken for releases
