@@ -146,19 +146,26 @@ class ReleaseWaits:
     def __init__(self, conn: _Conn) -> None:
         self.conn = conn
 
-    def begin(self, lease: Any = None) -> None:
+    def begin(self, lease: Any = None) -> bool:
         """Count a waiter in (on ``lease``, or on any lease: ``None``), make this end's reader wakeable by
-        releases, and take those already published."""
+        releases, and take those already published. Returns False, counting nothing, in a process that
+        inherited the connection through ``fork()`` (no lock is taken there: a thread of the parent may have
+        held one at the fork)."""
         conn = self.conn
-        with conn.state:
-            conn.release_waiters += 1
-            if lease is not None:
-                lease._waiters += 1
+        if conn.owner != _forks.pid:
+            return False
+        tokens: Any = ()
         try:
-            self._take(True)
-        except BaseException:
-            self.end(lease)
-            raise
+            with conn.state:  # (one hold: counted in and the releases taken)
+                conn.release_waiters += 1
+                if lease is not None:
+                    lease._waiters += 1
+                tokens = self._take_locked(True)
+        except ProtocolError as exc:
+            self._fail(exc)
+        for token in tokens:
+            token._complete("released")
+        return True
 
     def end(self, lease: Any = None) -> None:
         """The waiter counted in by :meth:`begin` is done (however its wait ended; one on a lease that completed
@@ -180,31 +187,35 @@ class ReleaseWaits:
 
     def take(self) -> None:
         """Take the releases the peer has published, if any (a poll: ``Lease.done``)."""
-        self._take(False)
-
-    def _take(self, waiting: bool) -> None:
         conn = self.conn
         if conn.owner != _forks.pid:
             return  # inherited through fork(): the parent's connection
-        rings = conn.rings
+        tokens: Any = ()
         try:
             with conn.state:
-                if conn.proto.ended or not rings.attached:
-                    return
-                if waiting:
-                    if not rings.want_releases():  # (1 over a 2, then the seq_cst load: the Dekker pair)
-                        return
-                ids = rings.take_releases()
-                if not ids:
-                    return
-                tokens = conn.proto.peer_released(ids).tokens
-        except ProtocolError as exc:  # a forged id: the connection ends (the reader sees the shutdown)
-            with conn.state:
-                conn.proto.fail(exc)
-            shut_down(conn.sock)
-            return
-        for lease in tokens:
-            lease._complete("released")
+                tokens = self._take_locked(False)
+        except ProtocolError as exc:
+            self._fail(exc)
+        for token in tokens:
+            token._complete("released")
+
+    def _take_locked(self, waiting: bool) -> Any:
+        conn = self.conn
+        rings = conn.rings
+        if conn.proto.ended or not rings.attached:
+            return ()
+        # (Waiting: 1 over a 2, then the seq_cst load of the peer's rel_tail: the Dekker pair.)
+        if waiting and not rings.want_releases():
+            return ()
+        ids = rings.take_releases()
+        return conn.proto.peer_released(ids).tokens if ids else ()
+
+    def _fail(self, exc: ProtocolError) -> None:
+        """A forged id: the connection ends (the reader sees the shutdown and completes every lease)."""
+        conn = self.conn
+        with conn.state:
+            conn.proto.fail(exc)
+        shut_down(conn.sock)
 
 
 def _sleep_on_ring(conn: _Conn, rings: Any, poller: Any) -> None:

@@ -30,20 +30,24 @@ Note [waking for releases]. An end's ``asleep`` has two sleeping values (:data:`
 1 (and on any value other than 0 and 2: a peer's unknown value counts as 1). Why: an exporter's reader sleeps
 almost all the time, and a release woke it at every hand-off (a ``send`` on the importer, a thread wake-up and
 the GIL on the exporter), though a pipelined producer takes the releases itself before each ``send``. Only
-someone who WAITS for a release needs the wake-up. So the exporter sleeps in 2 while nothing waits for a release
-and it has sent since its last such sleep, and a thread about to wait (``Lease.wait``, ``SharedPool.alloc``
-waiting for room) announces itself with :meth:`Rings.want_releases`: it stores 1 over a 2 (seq_cst), then loads
-the peer's ``rel_tail`` (seq_cst) and takes what is there. That pair is the Dekker handshake with the peer's
-:meth:`push_releases` (its seq_cst store of ``rel_tail``, then its seq_cst load of ``asleep``): in the single
-order of seq_cst operations one of the two loads sees the other's store, so either the peer sends the wake-up
-(the reader takes the release and completes the lease) or the waiter finds the release itself. The sleeper
-re-checks the waiters after its own store of 2 and, if one came meanwhile, stores 1 and loads ``rel_tail``
-the same way (:func:`._reader._sleep_on_ring`); both steps run under the GIL, so a waiter either is counted
-before the sleeper chose 2 or finds the 2 stored. A sleep in 2 is bounded (:data:`._reader.SLOTS_ONLY_SLEEP`,
-2 ms): after it the sleeper takes the releases and next sleeps in 1 unless it sent meanwhile. The bound is what
-makes the scheme safe whoever waits: an idle producer's leases and pool blocks come back within it with no
-``send`` and no announced waiter (a lease polled through ``done``, a waiter this process does not know of, a
-peer that lost a wake-up), at the cost of at most one wake-up per bound while a producer keeps sending.
+someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
+for a release and it sent within the bound below (:func:`._reader._sleep_on_ring`), and a thread about to wait
+(``Lease.wait``, ``SharedPool.alloc`` waiting for room: :class:`._reader.ReleaseWaits`) counts itself in, then
+calls :meth:`Rings.want_releases`: it stores 1 over a 2 (seq_cst), then loads the peer's ``rel_tail``
+(seq_cst) and takes what is there. That pair is the Dekker handshake with the peer's :meth:`push_releases` (its
+seq_cst store of ``rel_tail``, then its seq_cst load of ``asleep``): in the single order of seq_cst operations
+one of the two loads sees the other's store, so either the peer sends the wake-up (the reader takes the release
+and completes the lease) or the waiter finds the release itself. The sleeper, after its store of 2, reads the
+count of waiters again and, if one came, stores 1 and loads ``rel_tail`` the same way before it sleeps. Both
+sides' steps are Python steps under the GIL, so they are ordered: a waiter counted in after the sleeper chose
+2 either finds the 2 stored (and stores 1 itself) or is counted before the sleeper's second look (which does).
+A waiter on a lease is counted out by the lease's completion, in the completing thread, so the reader that
+completed it sleeps in 2 again at once. A sleep in 2 is bounded (:data:`._reader.SLOTS_ONLY_SLEEP`, 2 ms):
+after it the sleeper takes the releases, and sleeps in 1 once it has not sent within the bound. The bound is
+what makes the scheme safe whoever waits: an idle producer's leases and pool blocks come back within it with no
+``send`` and no waiter counted in (a lease watched through ``reason``, a pool's caller that frees nothing
+itself), at the cost of at most one wake-up per bound while a producer keeps sending. ``Lease.done`` and
+``Channel.outstanding`` poll: they take the releases themselves, with no need to be woken.
 
 Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
 ``try_push``; ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;

@@ -87,8 +87,7 @@ class Lease:
         if not self._out.locked():
             return
         waits = self._waits
-        if waits is not None:  # this thread waits for a release: the channel's reader must be woken for it
-            waits.begin(self)
+        if waits is not None and waits.begin(self):  # a wait for a release: the reader must be woken for it
             try:
                 got = self._out.acquire(timeout=-1 if limit is None else limit)
             finally:

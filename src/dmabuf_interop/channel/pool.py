@@ -308,9 +308,7 @@ class SharedPool:
                     # Blocks come back as leases complete: the channels' readers must be woken for releases
                     # (Note [waking for releases], in ._ring); releases already published are taken now (their
                     # blocks come back through _unref_many), then the loop looks for room again.
-                    for w in waits:
-                        w.begin()
-                        begun.append(w)
+                    begun += [w for w in waits if w.begin()]
                     continue
                 self.trim()  # outside the lock: retiring a chunk tells every channel that has it
         finally:
