@@ -848,15 +848,20 @@ def _sleeping_for_slots(tmp_path: Path, pool: SharedPool) -> tuple[Any, Any, Any
     """A pair whose producer lent a block (the pool's only one) twice: the first lease came back, the second is
     held by the consumer (its ``Received`` returned), and the producer's reader sleeps for slots only."""
     lst, prod, cons = _pair(str(tmp_path / "m.sock"), pool)
-    a = pool.empty(1 << 16, "uint8")
-    first = prod.send(a, timeout=5)
-    cons.recv(5).release()
-    assert _until(lambda: first.reason == "released", 5)  # woken (asleep 1: nothing sent yet when it slept)
-    lease = prod.send(a, timeout=5)  # a repeat, in the ring: the producer's reader is not woken by it
-    del a
-    gc.collect()  # only the lease holds the block now
-    r = cons.recv(5)
-    assert _until(lambda: _asleep(prod) == SLEEP_SLOTS, 5), _asleep(prod)
+    try:
+        a = pool.empty(1 << 16, "uint8")
+        first = prod.send(a, timeout=5)
+        cons.recv(5).release()
+        first.wait(5)  # (a waiter: the reader is woken for it, whichever way it slept)
+        lease = prod.send(a, timeout=5)  # a repeat, in the ring: the producer's reader is not woken by it
+        del a
+        gc.collect()  # only the lease holds the block now
+        r = cons.recv(5)
+        assert _until(lambda: _asleep(prod) == SLEEP_SLOTS, 5), _asleep(prod)
+    except BaseException:
+        for x in (cons, prod, lst):
+            x.close()
+        raise
     return lst, prod, cons, lease, r
 
 
@@ -911,28 +916,31 @@ def test_lease_done_takes_the_release_with_no_send_and_no_wake_up(tmp_path: Path
 
 
 def test_an_idle_producers_leases_come_back_within_the_bound(tmp_path: Path, monkeypatch) -> None:
-    """Nothing waits and nothing is sent: a release the reader was not woken for is taken when its sleep for slots
-    only ends (here a 0.2 s bound); with the default bound, every lease of a producer that sends now and then
-    completes by itself."""
-    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 0.2)
-    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
-        lst, prod, cons, lease, r = _sleeping_for_slots(tmp_path, pool)
+    """Nothing waits, nothing polls and nothing more is sent: a release the reader was not woken for (it slept
+    for slots only, here with a 0.3 s bound) is taken when that sleep ends; every lease completes by itself."""
+    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 0.3)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "i.sock"), pool)
         with lst, prod, cons:
-            t0 = time.monotonic()
-            r.release()
-            assert _until(lambda: lease.reason == "released", 5), lease  # no wait, no done: the reader took it
-            took = time.monotonic() - t0
-            assert took < 2.0, took
-            monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 0.002)
-            del r
             blocks = [pool.empty(64, "uint8") for _ in range(4)]
+            first = prod.send(blocks[3], timeout=5)  # (the reader runs from the first send)
+            cons.recv(5).release()
+            first.wait(5)
+            cons_ok = True
+            unwoken = []
             for k in range(20):
-                lz = prod.send(blocks[k % 4], timeout=5)
-                cons.recv(5).release()
+                lz = prod.send(blocks[k % 3], timeout=5)
+                r = cons.recv(5)
+                asleep = _asleep(prod)
                 t0 = time.monotonic()
-                assert _until(lambda: lz.reason == "released", 5), (k, lz)
-                assert time.monotonic() - t0 < 1.0
-                time.sleep(0.003 * (k % 3))
+                r.release()
+                del r
+                cons_ok = cons_ok and _until(lambda: lz.reason == "released", 5)
+                took = time.monotonic() - t0
+                assert cons_ok and took < 2.0, (k, asleep, took, lz)
+                if asleep == SLEEP_SLOTS:
+                    unwoken.append(took)
+            assert unwoken, "the reader never slept for slots only"
 
 
 def _pipelined(addr: str, n: int, pause: float) -> dict[str, Any]:
