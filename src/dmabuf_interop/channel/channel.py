@@ -54,10 +54,11 @@ serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._len
 ``push_releases``, ``take_releases`` and ``want_releases`` under ``_state`` (the importer's releases, from any
 thread; the exporter takes them in its reader after each wake-up, in ``send`` before it places anything
 (:meth:`._lending.Lending._take_ring_releases`), and in whatever thread waits for a lease or for pool room
-(:class:`._reader.ReleaseWaits`: Note [waking for releases], in :mod:`._ring`)). The peer's ``ring`` message is attached, and the rings closed at
-the end of the connection, under ``_state`` (the end also holds ``_send_lock``). Every wait of the reader (the
-background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's wake socket,
-between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring (:attr:`Channel.spin`).
+(:class:`._reader.ReleaseWaits`: Note [waking for releases], in :mod:`._ring`)). The peer's ``ring`` message is
+attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds ``_send_lock``).
+Every wait of the reader (the background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket
+and the ring's wake socket, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring
+(:attr:`Channel.spin`).
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
