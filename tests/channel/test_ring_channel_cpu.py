@@ -23,12 +23,13 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from dmabuf_interop import fdpass
+from dmabuf_interop import _atomic, fdpass
 from dmabuf_interop.channel import SharedPool, connect, listen
 from dmabuf_interop.channel import _lending as lending_module
+from dmabuf_interop.channel import _reader as reader_module
 from dmabuf_interop.channel import _releases as releases_module
 from dmabuf_interop.channel import rendezvous, wire
-from dmabuf_interop.channel._ring import OUT_TAIL, RingSlot, Rings
+from dmabuf_interop.channel._ring import ASLEEP, OUT_TAIL, SLEEP_SLOTS, RingSlot, Rings
 from dmabuf_interop.channel.protocol import PROTOCOL_VERSION
 from dmabuf_interop.channel.wire import recv_frame, send_frame
 from dmabuf_interop.errors import (ForkedResourceError, InvalidArgumentError, PeerClosedError, ProtocolError,
@@ -849,3 +850,272 @@ def test_a_reader_asleep_on_rings_unmapped_under_it_ends_without_a_traceback(tmp
     finally:
         threading.excepthook = old
     assert errors == []
+
+
+# --- waking for releases (Note [waking for releases] in _ring) -------------------------------------------------
+
+
+def _asleep(ch: Any) -> int:
+    """What this end's region says of its reader now (its own ``asleep``)."""
+    return _atomic.load(ch._rings._mine, ASLEEP)
+
+
+def _until(cond: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def _sleeping_for_slots(tmp_path: Path, pool: SharedPool) -> tuple[Any, Any, Any, Any, Any]:
+    """A pair whose producer lent a block (the pool's only one) twice: the first lease came back, the second is
+    held by the consumer (its ``Received`` returned), and the producer's reader sleeps for slots only."""
+    lst, prod, cons = _pair(str(tmp_path / "m.sock"), pool)
+    try:
+        a = pool.empty(1 << 16, "uint8")
+        first = prod.send(a, timeout=5)
+        cons.recv(5).release()
+        first.wait(5)  # (a waiter: the reader is woken for it, whichever way it slept)
+        lease = prod.send(a, timeout=5)  # a repeat, in the ring: the producer's reader is not woken by it
+        del a
+        gc.collect()  # only the lease holds the block now
+        r = cons.recv(5)
+        assert _until(lambda: _asleep(prod) == SLEEP_SLOTS, 5), _asleep(prod)
+    except BaseException:
+        for x in (cons, prod, lst):
+            x.close()
+        raise
+    return lst, prod, cons, lease, r
+
+
+@pytest.mark.parametrize("order", ["release-then-wait", "wait-then-release"])
+def test_a_producer_waiting_for_pool_room_is_served_while_its_reader_sleeps_for_slots_only(
+        tmp_path: Path, monkeypatch, order: str) -> None:
+    """The reader sleeps for slots only (``asleep`` 2) with a bound far past the test's time: a producer blocked
+    in ``pool.empty`` for room gets the block as soon as the consumer releases it, whether the release lands
+    before the wait (the waiter finds it) or during it (the waiter made the reader wakeable)."""
+    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 60.0)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
+        lst, prod, cons, lease, r = _sleeping_for_slots(tmp_path, pool)
+        with lst, prod, cons:
+            got: dict[str, Any] = {}
+
+            def alloc() -> None:
+                t0 = time.monotonic()
+                try:
+                    got["array"] = pool.empty(1 << 16, "uint8", timeout=10)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    got.update(error(exc))
+                got["took"] = time.monotonic() - t0
+
+            waiter = threading.Thread(target=alloc, daemon=True)
+            if order == "release-then-wait":
+                r.release()
+                time.sleep(0.05)
+                assert lease.reason is None and _asleep(prod) == SLEEP_SLOTS  # the release woke no one
+                waiter.start()
+            else:
+                waiter.start()
+                assert _until(lambda: prod._conn.release_waiters == 1, 5)
+                assert _asleep(prod) == 1  # the waiter made the reader wakeable by releases
+                r.release()
+            waiter.join(10)
+            assert "array" in got and got["took"] < 5, got
+            assert lease.reason == "released" and prod._conn.release_waiters == 0
+            del got
+
+
+def test_lease_done_takes_the_release_with_no_send_and_no_wake_up(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 60.0)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
+        lst, prod, cons, lease, r = _sleeping_for_slots(tmp_path, pool)
+        with lst, prod, cons:
+            assert not lease.done
+            r.release()
+            time.sleep(0.05)
+            assert lease.reason is None  # in the release ring; the reader was not woken
+            assert lease.done and lease.reason == "released"
+            assert pool.used_bytes == 0 and prod.outstanding == 0
+
+
+def test_an_idle_producers_leases_come_back_within_the_bound(tmp_path: Path, monkeypatch) -> None:
+    """Nothing waits, nothing polls and nothing more is sent: a release the reader was not woken for (it slept
+    for slots only, here with a 0.3 s bound) is taken when that sleep ends; every lease completes by itself."""
+    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 0.3)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "i.sock"), pool)
+        with lst, prod, cons:
+            blocks = [pool.empty(64, "uint8") for _ in range(4)]
+            first = prod.send(blocks[3], timeout=5)  # (the reader runs from the first send)
+            cons.recv(5).release()
+            first.wait(5)
+            cons_ok = True
+            unwoken = []
+            for k in range(20):
+                lz = prod.send(blocks[k % 3], timeout=5)
+                r = cons.recv(5)
+                asleep = _asleep(prod)
+                t0 = time.monotonic()
+                r.release()
+                del r
+                cons_ok = cons_ok and _until(lambda: lz.reason == "released", 5)
+                took = time.monotonic() - t0
+                assert cons_ok and took < 2.0, (k, asleep, took, lz)
+                if asleep == SLEEP_SLOTS:
+                    unwoken.append(took)
+            assert unwoken, "the reader never slept for slots only"
+
+
+def _pipelined(addr: str, n: int, pause: float) -> dict[str, Any]:
+    """``n`` hand-offs from a ring of 8 blocks, the producer waiting on the lease 8 back and pausing ``pause`` s
+    after each send, to a consumer forked that counts the wake-ups its releases send (``Rings._wake``)."""
+    wakes = [0]
+    wake = Rings._wake
+
+    def counted(self: Rings) -> None:
+        wakes[0] += 1
+        wake(self)
+
+    Rings._wake = counted  # (in this bounded scenario's process and its consumer only)
+    pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
+    lst = listen(addr, pool=pool)
+
+    def consumer() -> dict[str, Any]:
+        with connect(addr, timeout=10) as ch:
+            for _ in range(n):
+                ch.recv(10).release()
+            return {"wakes": wakes[0], "ring": ch.ring}
+
+    pid, rfd = child(consumer)
+    ch = lst.accept(10)
+    blocks = [pool.empty(4096, "uint8") for _ in range(8)]
+    leases: list[Any] = [None] * 8
+    for k in range(n):
+        if leases[k % 8] is not None:
+            leases[k % 8].wait(10)
+        leases[k % 8] = ch.send(blocks[k % 8], timeout=10)
+        if pause:
+            time.sleep(pause)
+    got = result(rfd, 60)
+    reap(pid)
+    for lease in leases:
+        lease.wait(10)
+    out = dict(got.get("ok", got))
+    out["reasons"] = sorted({lz.reason for lz in leases})
+    ch.close()
+    lst.close()
+    pool.close()
+    return out
+
+
+def test_a_pipelined_producer_is_not_woken_for_every_release(tmp_path: Path) -> None:
+    """A producer that keeps sending takes the releases itself (before each send, or when it waits): the
+    consumer's releases wake its reader for a small fraction of the hand-offs, not for each (as they did when
+    every sleep asked to be woken for releases)."""
+    n = 1500
+    out = bounded(lambda: _pipelined(str(tmp_path / "p.sock"), n, 0.0002), 120)
+    got = out.get("ok", out)
+    assert got.get("ring") and got["reasons"] == ["released"], out
+    assert got["wakes"] < 0.2 * n, got
+
+
+def _stress(addr: str, n: int, seed: int) -> dict[str, Any]:
+    """Lost wake-ups with waiters: a producer whose pool holds 8 blocks lends a new block each time (so it waits
+    in ``pool.empty`` for room), and now waits on a lease, now polls ``done``; a second thread waits on the newest
+    lease; both sides sleep at random. The reader's sleeps for slots only last longer than the test, so only the
+    waiters' handshake with the consumer's releases brings leases back in time."""
+    reader_module.SLOTS_ONLY_SLEEP = 60.0
+    pool = SharedPool(None, chunk_bytes=8 * 4096, max_bytes=8 * 4096)
+    lst = listen(addr, pool=pool)
+
+    def consumer() -> dict[str, Any]:
+        rng = random.Random(seed + 1)
+        bad = []
+        with connect(addr, timeout=10) as ch:
+            held: collections.deque = collections.deque()
+            for k in range(n):
+                r = ch.recv(10)
+                if int(r.as_array()[0]) != k:
+                    bad.append(k)
+                held.append(r)
+                while held and (len(held) > rng.randrange(1, 4) or rng.random() < 0.5):  # keeps at most 3
+                    held.popleft().release()
+                if rng.random() < 0.3:
+                    time.sleep(rng.random() * 0.0005)
+            while held:
+                held.popleft().release()
+            return {"bad": bad[:5], "ring": ch.ring}
+
+    pid, rfd = child(consumer)
+    ch = lst.accept(10)
+    rng = random.Random(seed)
+    leases: collections.deque = collections.deque()
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def watcher() -> None:
+        wrng = random.Random(seed + 2)
+        while not stop.is_set():
+            lz = leases[-1] if leases else None
+            if lz is None:
+                time.sleep(0.0002)
+                continue
+            try:
+                lz.wait(10)
+            except WaitTimeoutError:
+                failures.append(f"watcher: lease {lz.id}")
+            if wrng.random() < 0.3:
+                time.sleep(wrng.random() * 0.0005)
+
+    w = threading.Thread(target=watcher, daemon=True)
+    w.start()
+    for k in range(n):
+        try:
+            a = pool.empty(512, "int64", timeout=10)  # waits for room once 8 are lent
+        except Exception as exc:  # noqa: BLE001 - a lost wake-up shows here
+            failures.append(f"alloc {k}: {exc!r}")
+            break
+        a[0] = k
+        leases.append(ch.send(a, timeout=10))
+        del a
+        if len(leases) > 4:  # the lease 5 back: the consumer holds at most its 3 latest arrays
+            old = leases.popleft()
+            how = rng.random()
+            if how < 0.4:
+                try:
+                    old.wait(10)
+                except WaitTimeoutError:
+                    failures.append(f"wait: lease {old.id}")
+            elif how < 0.6:
+                end = time.monotonic() + 10
+                while not old.done and time.monotonic() < end:
+                    time.sleep(0.0001)
+                if not old.done:
+                    failures.append(f"done: lease {old.id}")
+        if rng.random() < 0.3:
+            time.sleep(rng.random() * 0.0005)
+    stop.set()
+    got = result(rfd, 60)
+    reap(pid)
+    w.join(15)
+    for lz in list(leases):
+        try:
+            lz.wait(10)
+        except WaitTimeoutError:
+            failures.append(f"end: lease {lz.id}")
+    out = dict(got.get("ok", got))
+    out.update(failures=failures[:5], waiters=ch._conn.release_waiters, used=pool.used_bytes)
+    ch.close()
+    lst.close()
+    pool.close()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_release_wake_up_is_lost_with_waiters_between_two_processes(tmp_path: Path, seed: int) -> None:
+    out = bounded(lambda: _stress(str(tmp_path / "x.sock"), 2000, seed), 150)
+    got = out.get("ok", out)
+    assert got.get("bad") == [] and got["ring"], out
+    assert got["failures"] == [] and got["waiters"] == 0 and got["used"] == 0, out

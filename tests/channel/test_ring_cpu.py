@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from dmabuf_interop import fdpass
 from dmabuf_interop.channel import _ring
 from dmabuf_interop.channel._ring import (ASLEEP, IN_HEAD, LEASE_LIMIT, MAGIC, ORDERINGS, OUT_TAIL, REL_HEAD,
-                                          REL_TAIL, REQUIRED_SEALS, SLOT_BYTES, SLOTS_OFFSET, RingSlot, Rings,
-                                          check_offer, region_bytes)
+                                          REL_TAIL, REQUIRED_SEALS, SLEEP_ALL, SLEEP_SLOTS, SLOT_BYTES, SLOTS_OFFSET,
+                                          RingSlot, Rings, check_offer, region_bytes)
 from dmabuf_interop.errors import ForkedResourceError, InvalidArgumentError, ProtocolError, SyscallError
 from dmabuf_interop.fd import open_fds
 
@@ -866,6 +866,62 @@ def test_the_wake_socket_is_rung_only_when_the_peer_said_it_sleeps():
     finally:
         a.close()
         b.close()
+
+
+def test_a_sleep_for_slots_only_is_woken_by_slots_and_not_by_releases():
+    """``asleep`` 2 (Note [waking for releases]): the peer's releases neither wake this end nor stop its sleep; its
+    slots do both; a waiter's ``want_releases`` turns the 2 into 1 and says whether releases wait."""
+    a, b = _pair(4, 8, 4, 8)
+    try:
+        assert b.sleep_begin(releases=False) is True
+        assert _ring._atomic.load(b._mine, ASLEEP) == SLEEP_SLOTS
+        assert a.push_releases([7]) == []
+        assert not _readable(b.wake_fd)  # a release: no wake-up
+        b.sleep_end()
+        assert b.sleep_begin(releases=False) is True  # a release waiting does not stop a sleep for slots
+        assert b.sleep_begin(releases=True) is False  # ... it stops a sleep for everything
+        assert b.sleep_begin(releases=False) is True
+        assert b.want_releases() is True  # the waiter finds the release the peer published unwoken
+        assert _ring._atomic.load(b._mine, ASLEEP) == SLEEP_ALL
+        assert b.take_releases() == [7]
+        assert b.want_releases() is False
+        assert a.push_releases([8]) == []
+        assert _readable(b.wake_fd)  # asleep 1 now: the release wakes it
+        b.sleep_end()
+        assert not _readable(b.wake_fd) and _ring._atomic.load(b._mine, ASLEEP) == 0
+        assert b.take_releases() == [8]
+        assert b.sleep_begin(releases=False) is True
+        assert a.try_push(RingSlot(0, 1, 1, "sync", None))
+        assert _readable(b.wake_fd)  # a slot wakes a sleep for slots
+        b.sleep_end()
+        assert b.sleep_begin(releases=False) is False  # the slot is there
+        b.take()
+        assert b.want_releases() is False  # awake: nothing stored
+        assert _ring._atomic.load(b._mine, ASLEEP) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("value", [1, 3, 255, 2**63, 2**64 - 1])
+def test_a_peers_other_nonzero_asleep_is_taken_as_wake_me_for_releases(forged, value):
+    """A peer whose ``asleep`` holds any nonzero value but 2 is woken by a release as by a slot; 2 by a slot only."""
+    peer = forged(4, 8)
+    r = peer.reader()
+    woken = peer.pair[0]
+    try:
+        for asleep, by_release in ((value, True), (SLEEP_SLOTS, False), (0, False)):
+            peer.counter(ASLEEP, asleep)
+            assert r.push_releases([5]) == []
+            assert _readable(woken.fileno()) is by_release, asleep
+            while _readable(woken.fileno()):
+                woken.recv(16)
+            peer.counter(REL_HEAD, r._rel_tail)  # the peer took it
+        peer.counter(ASLEEP, SLEEP_SLOTS)
+        assert r.try_push(RingSlot(0, 1, 1, "sync", None))
+        assert _readable(woken.fileno())  # a slot wakes a 2
+    finally:
+        r.close()
 
 
 # --- fork and fds ----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ back. Which lock guards which call, and the lock order: Note [channel threads an
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 
 from .. import _forks
@@ -29,6 +30,7 @@ from .wire import encode_repeat, shut_down
 __all__ = ["Lending"]
 
 _MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
+_monotonic = time.monotonic
 
 
 class Lending:
@@ -99,10 +101,11 @@ class Lending:
             raise
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events)
+        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events, self._waits)
         ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
         with self._state:
             self._proto.lend(lease.id, lease)
+        self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         try:
             if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
                 link = self._link

@@ -58,6 +58,11 @@ _SPIN_SOCKET_EVERY = 32
 #: Seconds a ring slot may wait for the socket messages the peer sent before it (they are in this end's socket
 #: already when the peer is sound; a peer whose slot names messages it never sent has broken the protocol).
 ORDER_WAIT = 1.0
+#: Seconds the background reader sleeps at most while it tells the peer not to wake it for releases
+#: (``asleep`` 2: Note [waking for releases], in :mod:`._ring`), which it does only within this long of a
+#: ``send``; then it takes them. The bound on how late an idle producer's leases complete when nothing waits for
+#: them. Read at each sleep (a test may change it).
+SLOTS_ONLY_SLEEP = 0.002
 
 
 @dataclass(slots=True)
@@ -100,6 +105,8 @@ class _Conn:
     unbounded: bool = False  # the peer hung up (or this end shut down): take what is left whatever the bound
     has_reader: bool = False
     finish_here: bool = False  # whoever ends the connection also drops the queue and closes the carrier
+    sent_at: float = -1e9  # time.monotonic() of the last send that lent something (Note [waking for releases])
+    release_waiters: int = 0  # threads waiting for a release of this end's leases (changed under ``state``)
 
 
 def _poll_ms(deadline: float | None) -> int:
@@ -122,6 +129,115 @@ def _ring_releases(conn: _Conn) -> None:
         tokens = conn.proto.peer_released(ids).tokens
     for lease in tokens:
         lease._complete("released")
+
+
+class ReleaseWaits:
+    """A connection's ring releases, for the threads that wait for them (Note [waking for releases], in
+    :mod:`._ring`): :meth:`begin` before a wait for a lease of this end's to complete, :meth:`end` after it,
+    :meth:`take` for a poll. A :class:`.lease.Lease` lent on a connection with the ring holds the one of its
+    connection (not the channel: no cycle through the channel; the lease drops it once complete), and a
+    :class:`.pool.SharedPool` reaches it through the channels it knows. A waiter on one lease is counted out by
+    the lease's completion (:meth:`completed`, in the completing thread), so that the reader, which completes it,
+    sleeps for slots only again at once rather than after the waiter has run. A peer's forged id found here ends
+    the connection as in ``send`` (every lease then completes); nothing is raised to the waiter."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+
+    def begin(self, lease: Any = None) -> bool:
+        """Count a waiter in (on ``lease``, or on any lease: ``None``), make this end's reader wakeable by
+        releases, and take those already published. Returns False, counting nothing, in a process that
+        inherited the connection through ``fork()`` (no lock is taken there: a thread of the parent may have
+        held one at the fork)."""
+        conn = self.conn
+        if conn.owner != _forks.pid:
+            return False
+        tokens: Any = ()
+        try:
+            with conn.state:  # (one hold: counted in and the releases taken)
+                conn.release_waiters += 1
+                if lease is not None:
+                    lease._waiters += 1
+                tokens = self._take_locked(True)
+        except ProtocolError as exc:
+            self._fail(exc)
+        for token in tokens:
+            token._complete("released")
+        return True
+
+    def end(self, lease: Any = None) -> None:
+        """The waiter counted in by :meth:`begin` is done (however its wait ended; one on a lease that completed
+        was counted out then)."""
+        conn = self.conn
+        with conn.state:
+            if lease is None:
+                conn.release_waiters -= 1
+            elif lease._waiters:
+                lease._waiters -= 1
+                conn.release_waiters -= 1
+
+    def completed(self, lease: Any) -> None:
+        """``lease`` completed: the threads waiting on it wait no more (before they are woken)."""
+        conn = self.conn
+        with conn.state:
+            conn.release_waiters -= lease._waiters
+            lease._waiters = 0
+
+    def take(self) -> None:
+        """Take the releases the peer has published, if any (a poll: ``Lease.done``)."""
+        conn = self.conn
+        if conn.owner != _forks.pid:
+            return  # inherited through fork(): the parent's connection
+        tokens: Any = ()
+        try:
+            with conn.state:
+                tokens = self._take_locked(False)
+        except ProtocolError as exc:
+            self._fail(exc)
+        for token in tokens:
+            token._complete("released")
+
+    def _take_locked(self, waiting: bool) -> Any:
+        conn = self.conn
+        rings = conn.rings
+        if conn.proto.ended or not rings.attached:
+            return ()
+        # (Waiting: 1 over a 2, then the seq_cst load of the peer's rel_tail: the Dekker pair.)
+        if waiting and not rings.want_releases():
+            return ()
+        ids = rings.take_releases()
+        return conn.proto.peer_released(ids).tokens if ids else ()
+
+    def _fail(self, exc: ProtocolError) -> None:
+        """A forged id: the connection ends (the reader sees the shutdown and completes every lease)."""
+        conn = self.conn
+        with conn.state:
+            conn.proto.fail(exc)
+        shut_down(conn.sock)
+
+
+def _sleep_on_ring(conn: _Conn, rings: Any, poller: Any) -> None:
+    """The background reader's sleep with nothing to read: ``poll`` of the socket and the ring's wake socket,
+    between ``sleep_begin`` and ``sleep_end``. Woken for the peer's releases too (``asleep`` 1), unless this end
+    sent within :data:`SLOTS_ONLY_SLEEP` and no thread waits for a release: then ``asleep`` 2, for at most
+    :data:`SLOTS_ONLY_SLEEP` (Note [waking for releases], in :mod:`._ring`)."""
+    bound = SLOTS_ONLY_SLEEP
+    slots_only = not conn.release_waiters and _monotonic() - conn.sent_at < bound
+    if not rings.sleep_begin(not slots_only):  # else a slot or a release arrived meanwhile: no sleep
+        return
+    try:
+        # A waiter counted in after the choice above found 0 stored, or the 2: either way it is seen here, and
+        # then 1 is stored and rel_tail loaded (seq_cst) before the sleep, as the waiter does.
+        if slots_only and conn.release_waiters and rings.want_releases():
+            return
+        poller.poll(max(1, int(bound * 1000 + 0.5)) if slots_only else None)  # PEP 475: an EINTR is retried
+    finally:
+        try:
+            rings.sleep_end()
+        except ValueError:  # unmapped under this thread: their finalizer ran (interpreter exit)
+            conn.rings = None  # the socket alone from here: its end ends the connection
 
 
 def _check_max_queued(value: Any) -> int:
@@ -148,14 +264,7 @@ def _read_loop(ref: "weakref.ref[Reading]", conn: _Conn) -> None:
                 if not ring_polled:
                     poller.register(rings.wake_fd, _POLLIN)
                     ring_polled = True
-                if rings.sleep_begin():  # else a slot or a release arrived meanwhile: no sleep
-                    try:
-                        poller.poll()  # PEP 475: an EINTR is retried
-                    finally:
-                        try:
-                            rings.sleep_end()
-                        except ValueError:  # unmapped under this thread: their finalizer ran (interpreter exit)
-                            conn.rings = None  # the socket alone from here: its end ends the connection
+                _sleep_on_ring(conn, rings, poller)
             else:
                 poller.poll()
             ch = ref()

@@ -6,9 +6,10 @@ reaches the exporter before its next send, not during it; a busy consumer's rele
 (:data:`RELEASE_BATCH` at a time, or within :data:`RELEASE_DELAY`) into one ``release`` message.
 
 Where the connection has the shared-memory ring (:mod:`._ring`), a release goes into the release ring at once,
-in the releasing thread: no syscall, unless the exporter's reader sleeps (then one ``send`` on its wake socket wakes it
-right after the release, before the exporter's next send rather than inside it); only what does not fit in the
-ring goes as a ``release`` message, by the rules above.
+in the releasing thread: no syscall, unless the exporter's reader sleeps and asked to be woken for releases (then
+one ``send`` on its wake socket wakes it right after the release, before the exporter's next send rather than
+inside it; Note [waking for releases] in :mod:`._ring`); only what does not fit in the ring goes as a ``release``
+message, by the rules above.
 """
 
 from __future__ import annotations

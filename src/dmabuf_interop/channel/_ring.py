@@ -25,11 +25,37 @@ Note [ring and fork]. Both mappings are made with ``MADV_DONTFORK``: a forked ch
 of the fds and forgets the mappings without ``munmap`` (the child may have mapped something else at those
 addresses since; :class:`dmabuf_interop._atomic.Mapping` checks the pid).
 
+Note [waking for releases]. An end's ``asleep`` has two sleeping values (:data:`SLEEP_ALL` 1,
+:data:`SLEEP_SLOTS` 2). A writer of slots wakes a sleeper on any nonzero value; a writer of releases only on
+1 (and on any value other than 0 and 2: a peer's unknown value counts as 1). Why: an exporter's reader sleeps
+almost all the time, and a release woke it at every hand-off (a ``send`` on the importer, a thread wake-up and
+the GIL on the exporter), though a pipelined producer takes the releases itself before each ``send``. Only
+someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
+for a release and it sent within the bound below (:func:`._reader._sleep_on_ring`), and a thread about to wait
+(``Lease.wait``, ``SharedPool.alloc`` waiting for room: :class:`._reader.ReleaseWaits`) counts itself in, then
+calls :meth:`Rings.want_releases`: it stores 1 over a 2 (seq_cst), then loads the peer's ``rel_tail``
+(seq_cst) and takes what is there. That pair is the Dekker handshake with the peer's :meth:`push_releases` (its
+seq_cst store of ``rel_tail``, then its seq_cst load of ``asleep``): in the single order of seq_cst operations
+one of the two loads sees the other's store, so either the peer sends the wake-up (the reader takes the release
+and completes the lease) or the waiter finds the release itself. The sleeper, after its store of 2, reads the
+count of waiters again and, if one came, stores 1 and loads ``rel_tail`` the same way before it sleeps. Both
+sides' steps are Python steps under the GIL, so they are ordered: a waiter counted in after the sleeper chose
+2 either finds the 2 stored (and stores 1 itself) or is counted before the sleeper's second look (which does).
+A waiter on a lease is counted out by the lease's completion, in the completing thread, so the reader that
+completed it sleeps in 2 again at once. A sleep in 2 is bounded (:data:`._reader.SLOTS_ONLY_SLEEP`, 2 ms):
+after it the sleeper takes the releases, and sleeps in 1 once it has not sent within the bound. The bound is
+what makes the scheme safe whoever waits: an idle producer's leases and pool blocks come back within it with no
+``send`` and no waiter counted in (a lease watched through ``reason``, a pool's caller that frees nothing
+itself), at the cost of at most one wake-up per bound while a producer keeps sending. ``Lease.done`` and
+``Channel.outstanding`` poll: they take the releases themselves, with no need to be woken.
+
 Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
 ``try_push``; ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
-``take_releases``. Each group writes its own counters, so the four may run in four threads (``sleep_begin``
-reads ``take_releases``'s head: a stale value only makes it decline to sleep). ``attach`` and ``close`` run
-alone.
+``take_releases`` and ``want_releases``. Each group writes its own counters, so the four may run in four
+threads (``sleep_begin`` reads ``take_releases``'s head: a stale value only makes it decline to sleep).
+``want_releases`` also stores ``asleep`` (1 over a 2) beside the sleeper: a store of 1 after the sleeper woke
+leaves an awake end marked asleep until its next ``sleep_begin`` or ``sleep_end``, which costs the peer a
+spare wake-up and nothing else. ``attach`` and ``close`` run alone.
 
 Speed (load-bearing). Measured with CPython 3.11.7 on the 2-core x86-64 CPU machine (load average near 4),
 two ``Rings`` of the default lengths attached in one process, a loop of 200 calls timed, median of 300 loops,
@@ -57,10 +83,11 @@ from typing import Any, Sequence
 from .. import _forks
 from ..errors import ForkedResourceError, InvalidArgumentError, NotSupportedError, ProtocolError, SyscallError
 # The region's format and the ring message's checks; the names tests and callers import from here stay here.
-from ._ring_region import (ASLEEP, EVENT_BYTES, EVENT_CODE, F_SEAL_FUTURE_WRITE, HEADER, IN_HEAD, LEASE_LIMIT,
-                           MAGIC, MAX_RELEASE_SLOTS, MAX_SLOTS, ORDER_CODE, ORDERINGS, OUT_TAIL, OWN_SEALS, REL_HEAD,
-                           REL_TAIL, REQUIRED_SEALS, RING_VERSION, SLOT, SLOT_BYTES, SLOTS_OFFSET, RingSlot,
-                           check_memfd, check_offer, check_size, open_wake, region_bytes)
+from ._ring_region import (ASLEEP, AWAKE, EVENT_BYTES, EVENT_CODE, F_SEAL_FUTURE_WRITE, HEADER, IN_HEAD,
+                           LEASE_LIMIT, MAGIC, MAX_RELEASE_SLOTS, MAX_SLOTS, ORDER_CODE, ORDERINGS, OUT_TAIL,
+                           OWN_SEALS, REL_HEAD, REL_TAIL, REQUIRED_SEALS, RING_VERSION, SLEEP_ALL, SLEEP_SLOTS, SLOT,
+                           SLOT_BYTES, SLOTS_OFFSET, RingSlot, check_memfd, check_offer, check_size, open_wake,
+                           region_bytes)
 
 try:
     from .. import _atomic
@@ -218,6 +245,7 @@ class Rings:
         self._peer_in_head = 0  # cached: loaded again only when the ring looks full
         self._peer_rel_head = 0
         self._seen_tail = 0     # the peer's out_tail, last loaded
+        self._asleep = AWAKE    # what this end last stored in its asleep
         self._last_sock_seq = 0
         self._next: RingSlot | None = None  # peeked, not yet taken
         self._peer: Any = None
@@ -437,7 +465,8 @@ class Rings:
     # --- release ring ---------------------------------------------------------------------------------
 
     def push_releases(self, ids: Sequence[int]) -> list[int]:
-        """Append lease ids to this end's release ring, in order, and wake the peer if it said it sleeps.
+        """Append lease ids to this end's release ring, in order, and wake the peer if it said it sleeps and
+        wants releases (its ``asleep`` is neither 0 nor :data:`SLEEP_SLOTS`: Note [waking for releases]).
 
         Returns the ids that did not fit (all of them when no peer region is attached): send those in a
         ``release`` message.
@@ -472,7 +501,8 @@ class Rings:
             q[base + ((tail + i) & mask)] = lease  # plain stores: the tail's store below publishes them
         self._rel_tail = tail = tail + n
         _store_seq(self._mine, REL_TAIL, tail)  # seq_cst: ordered before the load of the peer's asleep
-        if _load_seq(peer, ASLEEP):
+        asleep = _load_seq(peer, ASLEEP)
+        if asleep and asleep != SLEEP_SLOTS:  # Note [waking for releases]: 2 wants slots only
             self._wake()
         return list(ids[n:])
 
@@ -512,11 +542,17 @@ class Rings:
 
     # --- sleeping -------------------------------------------------------------------------------------
 
-    def sleep_begin(self) -> bool:
-        """Say this end is about to sleep (seq_cst store of ``asleep = 1``), then look once more at the peer's
-        tails (seq_cst loads). Returns True: sleep now, ``poll`` :attr:`wake_fd` with the socket (with a
-        timeout), then call :meth:`sleep_end`. Returns False, ``asleep`` cleared: something arrived, do not
-        sleep. (With no peer region attached it returns True: nothing can arrive by the ring.)
+    def sleep_begin(self, releases: bool = True) -> bool:
+        """Say this end is about to sleep (seq_cst store of ``asleep``: :data:`SLEEP_ALL`, or
+        :data:`SLEEP_SLOTS` when not ``releases``), then look once more at the peer's tails (seq_cst loads;
+        ``rel_tail`` only with ``releases``). Returns True: sleep now, ``poll`` :attr:`wake_fd` with the socket
+        (with a timeout; a bounded one without ``releases``: Note [waking for releases]), then call
+        :meth:`sleep_end`. Returns False, ``asleep`` cleared: something arrived, do not sleep. (With no peer
+        region attached it returns True: nothing can arrive by the ring.)
+
+        Args:
+            releases: whether the peer's releases must wake this end (False: only its slots; releases it
+                publishes meanwhile wait until this end looks).
 
         Raises:
             ForkedResourceError: inherited through ``fork()``.
@@ -525,15 +561,40 @@ class Rings:
         if self._owner != _forks.pid or self.closed:
             self._check_usable()
         mine = self._mine
-        _store_seq(mine, ASLEEP, 1)
+        mode = SLEEP_ALL if releases else SLEEP_SLOTS
+        _store_seq(mine, ASLEEP, mode)
+        self._asleep = mode  # (after the store: want_releases reads it to know a 2 is stored)
         peer = self._peer
         if peer is None:
             return True
         if (self._next is not None or _load_seq(peer, OUT_TAIL) != self._in_head
-                or _load_seq(peer, REL_TAIL) != self._rel_head):
-            _store(mine, ASLEEP, 0)
+                or (releases and _load_seq(peer, REL_TAIL) != self._rel_head)):
+            self._asleep = AWAKE
+            _store(mine, ASLEEP, AWAKE)
             return False
         return True
+
+    def want_releases(self) -> bool:
+        """A thread is about to wait for a release of the peer's: if this end sleeps for slots only
+        (:data:`SLEEP_SLOTS`), store :data:`SLEEP_ALL` (seq_cst), so that the peer's next release wakes it;
+        then load the peer's ``rel_tail`` (seq_cst). Returns True when releases are waiting (take them with
+        :meth:`take_releases`): the peer may have published them without a wake-up. Call it under the lock that
+        serialises :meth:`take_releases`, or from the sleeper's thread (between :meth:`sleep_begin` and
+        :meth:`sleep_end`: a head it reads stale only makes it say True). Returns False when closed or not
+        attached. Note [waking for releases].
+
+        Raises:
+            ForkedResourceError: inherited through ``fork()``.
+        """
+        if self._owner != _forks.pid:
+            raise self._forked()
+        peer = self._peer
+        if peer is None:
+            return False
+        if self._asleep == SLEEP_SLOTS:
+            self._asleep = SLEEP_ALL
+            _store_seq(self._mine, ASLEEP, SLEEP_ALL)
+        return _load_seq(peer, REL_TAIL) != self._rel_head
 
     def sleep_end(self) -> None:
         """Clear ``asleep`` and drain :attr:`wake_fd` (``recv(MSG_DONTWAIT)``). Call it after every
@@ -546,7 +607,8 @@ class Rings:
         """
         if self._owner != _forks.pid or self.closed:
             self._check_usable()
-        _store(self._mine, ASLEEP, 0)
+        self._asleep = AWAKE
+        _store(self._mine, ASLEEP, AWAKE)
         self.drain()
 
     def drain(self) -> None:

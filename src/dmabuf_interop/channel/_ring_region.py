@@ -33,7 +33,7 @@ from ..fd import fd_kind
 
 __all__ = ["RING_VERSION", "MAGIC", "SLOT_BYTES", "SLOTS_OFFSET", "MAX_SLOTS", "MAX_RELEASE_SLOTS", "LEASE_LIMIT",
            "ORDERINGS", "ORDER_CODE", "EVENT_CODE", "EVENT_BYTES", "OUT_TAIL", "REL_TAIL", "IN_HEAD", "REL_HEAD",
-           "ASLEEP", "HEADER", "SLOT", "F_SEAL_FUTURE_WRITE", "REQUIRED_SEALS", "OWN_SEALS",
+           "ASLEEP", "AWAKE", "SLEEP_ALL", "SLEEP_SLOTS", "HEADER", "SLOT", "F_SEAL_FUTURE_WRITE", "REQUIRED_SEALS", "OWN_SEALS",
            "RingSlot", "region_bytes", "check_size", "check_memfd", "open_wake", "check_offer"]
 
 #: The ring format this implementation speaks (the ``ring`` key of ``hello``, the ``version`` of ``ring``).
@@ -61,6 +61,11 @@ EVENT_BYTES = 64
 
 # Counters, each on its own 64-byte line (no false sharing between the writer's and the reader's).
 OUT_TAIL, REL_TAIL, IN_HEAD, REL_HEAD, ASLEEP = 64, 128, 192, 256, 320
+#: ``asleep`` values. AWAKE: the owner reads without being woken. SLEEP_ALL: it sleeps; wake it for a slot or a
+#: release. SLEEP_SLOTS: it sleeps; wake it for a slot only (releases wait until it looks, which it does within
+#: a bound). A writer of releases treats every other nonzero value as SLEEP_ALL (Note [waking for releases], in
+#: :mod:`._ring`).
+AWAKE, SLEEP_ALL, SLEEP_SLOTS = 0, 1, 2
 
 #: The header at offset 0: magic, version, slot_bytes, slots, release_slots.
 HEADER = struct.Struct("<8sIIII")

@@ -51,12 +51,14 @@ serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._len
 :attr:`._link.Link.sent`, the messages that went out whole before it);
 ``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
 (:meth:`._reader.Reading._arrived` merges the slots with the socket messages in the peer's order); and
-``push_releases`` and ``take_releases`` under ``_state`` (the importer's releases, from any thread; the exporter
-takes them in its reader after each wake-up and in ``send`` before it places anything:
-:meth:`._lending.Lending._take_ring_releases`). The peer's ``ring`` message is attached, and the rings closed at
-the end of the connection, under ``_state`` (the end also holds ``_send_lock``). Every wait of the reader (the
-background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket and the ring's wake socket,
-between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring (:attr:`Channel.spin`).
+``push_releases``, ``take_releases`` and ``want_releases`` under ``_state`` (the importer's releases, from any
+thread; the exporter takes them in its reader after each wake-up, in ``send`` before it places anything
+(:meth:`._lending.Lending._take_ring_releases`), and in whatever thread waits for a lease or for pool room
+(:class:`._reader.ReleaseWaits`: Note [waking for releases], in :mod:`._ring`)). The peer's ``ring`` message is
+attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds ``_send_lock``).
+Every wait of the reader (the background reader's, and ``recv``'s in its own thread) is a ``poll`` of the socket
+and the ring's wake socket, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring
+(:attr:`Channel.spin`).
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's or a hold's own lock. Nothing is
 taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
@@ -128,7 +130,8 @@ from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._lending import Lending
 from ._link import SEND_TIMEOUT, Link
-from ._reader import Reading, _check_max_queued, _collected, _Conn, _drop_queue, _Queued, _read_loop
+from ._reader import (Reading, ReleaseWaits, _check_max_queued, _collected, _Conn, _drop_queue, _Queued,
+                      _read_loop)
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
@@ -235,6 +238,8 @@ class Channel(Lending, Reading):
         self._conn = _Conn(sock, self._frames, self._proto, self._state, self._link, self._releases, self._memos,
                            self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued,
                            rings=rings)
+        # Ring releases for those who wait on a lease (Note [waking for releases], in ._ring); None: no ring.
+        self._waits = ReleaseWaits(self._conn) if rings is not None else None
         self._queue: collections.deque[_Queued] = self._conn.queue
         self._imports: dict[int, Any] = self._conn.imports
         self._layout_views: dict[int, LayoutViews] = self._conn.layout_views
@@ -371,7 +376,10 @@ class Channel(Lending, Reading):
 
     @property
     def outstanding(self) -> int:
-        """Leases lent on this channel and not yet released."""
+        """Leases lent on this channel and not yet released (releases the peer put in the shared-memory ring
+        are taken first)."""
+        if self._waits is not None:
+            self._waits.take()
         with self._state:
             return self._proto.lent
 

@@ -45,11 +45,15 @@ class Lease:
     """
 
     def __init__(self, lease_id: int, blocks: list[Block], event: tuple[Any, bytes] | None,
-                 events: Any = None) -> None:
+                 events: Any = None, waits: Any = None) -> None:
         self.id = lease_id
         self._blocks = blocks
         self._event = event
         self._events = events  # the EventPool that ``event`` goes back to
+        # The connection's ring releases (._reader.ReleaseWaits), or None (no ring): a wait takes them and
+        # asks to be woken for them (Note [waking for releases], in ._ring). Dropped once complete.
+        self._waits = waits
+        self._waiters = 0  # threads in wait() counted in by ``waits`` (changed under the connection's state lock)
         # Held while the lease is out; released once on completion. A bare lock, not a
         # threading.Event: a lease is made per send, and an Event costs a Condition and two locks.
         self._out = threading.Lock()
@@ -59,6 +63,14 @@ class Lease:
 
     @property
     def done(self) -> bool:
+        """Whether the peer has released the block(s) (or the connection ended). On a connection with the
+        shared-memory ring a lease still out first takes the releases the peer has published there."""
+        if not self._out.locked():
+            return True
+        waits = self._waits
+        if waits is None:
+            return False
+        waits.take()
         return not self._out.locked()
 
     def wait(self, timeout: float | None = 60.0) -> None:
@@ -74,7 +86,15 @@ class Lease:
         limit = check_timeout(timeout)
         if not self._out.locked():
             return
-        if not self._out.acquire(timeout=-1 if limit is None else limit):
+        waits = self._waits
+        if waits is not None and waits.begin(self):  # a wait for a release: the reader must be woken for it
+            try:
+                got = self._out.acquire(timeout=-1 if limit is None else limit)
+            finally:
+                waits.end(self)
+        else:
+            got = self._out.acquire(timeout=-1 if limit is None else limit)
+        if not got:
             raise WaitTimeoutError(f"lease {self.id} still held by the peer after {timeout} s")
         self._out.release()
 
@@ -96,6 +116,9 @@ class Lease:
                 self._events.give(self._event)
         finally:  # whatever giving back raised, the lease is over
             self._blocks = []
+            waits, self._waits = self._waits, None  # (the connection's: no cycle through its lent leases from now on)
+            if waits is not None and self._waiters:
+                waits.completed(self)  # counted out before they wake: the reader may sleep for slots only at once
             self._out.release()
 
     def __repr__(self) -> str:

@@ -269,33 +269,51 @@ class SharedPool:
         if n > self.max_bytes:
             raise InvalidArgumentError(f"a {nbytes}-byte block can never fit in a pool of max_bytes {self.max_bytes}")
         deadline = deadline_after(timeout)
-        while True:
-            with self._cond:
-                while True:
-                    if self._closed:
-                        raise InvalidArgumentError("the pool is closed")
-                    for chunk in self._chunks:
-                        off = chunk.free.alloc(n)
-                        if off is not None:
-                            block = Block(self, chunk, off, n)
-                            chunk.add(block)
-                            return block
-                    size = self._chunk_size_for(n)
-                    total = sum(c.size for c in self._chunks)
-                    if total + size <= self.max_bytes:
-                        chunk = self._new_chunk(size)
-                        self._chunks.append(chunk)
-                        continue
-                    idle = sum(c.size for c in self._chunks if not c.blocks)
-                    if idle and total - idle + size <= self.max_bytes:
-                        break  # idle chunks too small for this block: retire them (below) to make room
-                    left = remaining(deadline)
-                    if left is not None and left <= 0:
-                        raise PoolExhaustedError(
-                            f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
-                            f"{self.max_bytes} bytes are in use or lent out")
-                    self._cond.wait(left)
-            self.trim()  # outside the lock: retiring a chunk tells every channel that has it
+        waits: list[Any] | None = None  # the channels' ring releases this call waits for, once it must wait
+        begun: list[Any] = []
+        try:
+            while True:
+                announce = False
+                with self._cond:
+                    while True:
+                        if self._closed:
+                            raise InvalidArgumentError("the pool is closed")
+                        for chunk in self._chunks:
+                            off = chunk.free.alloc(n)
+                            if off is not None:
+                                block = Block(self, chunk, off, n)
+                                chunk.add(block)
+                                return block
+                        size = self._chunk_size_for(n)
+                        total = sum(c.size for c in self._chunks)
+                        if total + size <= self.max_bytes:
+                            chunk = self._new_chunk(size)
+                            self._chunks.append(chunk)
+                            continue
+                        idle = sum(c.size for c in self._chunks if not c.blocks)
+                        if idle and total - idle + size <= self.max_bytes:
+                            break  # idle chunks too small for this block: retire them (below) to make room
+                        left = remaining(deadline)
+                        if left is not None and left <= 0:
+                            raise PoolExhaustedError(
+                                f"no free {n}-byte block within {timeout} s: {self.used_bytes_locked()} of "
+                                f"{self.max_bytes} bytes are in use or lent out")
+                        if waits is None:
+                            waits = [w for ch in self._channels if (w := ch._waits) is not None]
+                            if waits:
+                                announce = True
+                                break  # outside this lock: the channels' state locks come before it
+                        self._cond.wait(left)
+                if announce:
+                    # Blocks come back as leases complete: the channels' readers must be woken for releases
+                    # (Note [waking for releases], in ._ring); releases already published are taken now (their
+                    # blocks come back through _unref_many), then the loop looks for room again.
+                    begun += [w for w in waits if w.begin()]
+                    continue
+                self.trim()  # outside the lock: retiring a chunk tells every channel that has it
+        finally:
+            for w in begun:
+                w.end()
 
     def used_bytes_locked(self) -> int:
         return sum(b.size for c in self._chunks for b in c.blocks.values())
