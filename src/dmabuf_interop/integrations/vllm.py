@@ -224,7 +224,8 @@ class TrainerEngine:
         version = self.version
         out: dict[str, BaseException] = {}
         started = threading.Event()
-        given_up = threading.Event()
+        decided = threading.Lock()  # update_weights goes, or the round is given up: one of the two, decided once
+        round_state = {"go": False, "given_up": False}
 
         def rpc() -> None:
             # One thread makes both calls, so update_weights leaves as soon as start_weight_update returns
@@ -236,8 +237,10 @@ class TrainerEngine:
                 return
             finally:
                 started.set()
-            if given_up.is_set():
-                return  # the round was given up: no engine waits for a version that was never sent
+            with decided:
+                if round_state["given_up"]:
+                    return  # no engine waits for a version that was never sent
+                round_state["go"] = True
             try:
                 self.client.update_weights(asdict(UpdateInfo(version)))
             except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -247,10 +250,12 @@ class TrainerEngine:
             self._rpc = DaemonWorker("dmabuf-interop-update-weights")
         call = self._rpc.submit(rpc)
         if not started.wait(self.options.timeout):
-            given_up.set()
-            self._rpc.shutdown(timeout=0)  # still in start_weight_update: the next round gets a thread of its own
-            self._rpc = None
-            raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
+            with decided:
+                round_state["given_up"] = not round_state["go"]  # (start may have returned just now)
+            if round_state["given_up"]:
+                self._rpc.shutdown(timeout=0)  # still in start_weight_update: the next round gets a thread of its own
+                self._rpc = None
+                raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
         if "start" in out:  # nothing was sent: the engines never began this version
             raise out["start"]
         try:
