@@ -39,12 +39,17 @@ class DaemonWorker:
             if call is None:
                 return
             fut, fn, args = call
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                fut.set_exception(exc)
+            call = None
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    fut.set_exception(exc)
+            # Nothing of a call is held while waiting for the next. A daemon thread that let go of the caller's
+            # objects during the interpreter's exit (a state dict of torch tensors, through a closure) would take
+            # the GIL there and be ended inside torch's C++ code: the process aborts ("terminate called without
+            # an active exception").
+            fut = fn = args = None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End the thread once the calls queued before have run; wait for that up to ``timeout`` seconds."""

@@ -279,7 +279,7 @@ class TrainerEngine:
     def shutdown(self) -> None:
         """Close the channels, the listener and the pool, and end the control-plane thread."""
         if self._rpc is not None:
-            self._rpc.shutdown(timeout=0)  # a call still running ends with the client's own timeout
+            self._rpc.shutdown(timeout=1.0)  # idle: it ends at once; a call still running ends with the client's timeout
             self._rpc = None
         if self.publisher is not None:
             self.publisher.close()
