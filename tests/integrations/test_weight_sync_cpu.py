@@ -495,7 +495,7 @@ def test_a_loader_that_fails_in_a_bucketed_version_is_reported_at_once(tmp_path)
 
 
 def test_a_bucketed_version_that_fails_part_way_still_tells_the_engines(tmp_path):
-    """The bucket staging takes what the pool has free; the abort batch's byte was taken at start, so the
+    """The bucket staging takes what the pool has free; the abort batch lends a byte of that staging, so the
     engines are told (not cut off) and the next version arrives."""
     addr = str(tmp_path / "w.sock")
     with WeightPublisher(addr, max_bytes=1 << 20, timeout=20) as pub:

@@ -116,12 +116,16 @@ class WeightPublisher:
         """Engines connected now (a channel whose connection ended is not counted)."""
         return sum(not ch.closed for ch in self._channels)
 
+    def _drop(self, ch: Any) -> None:
+        """Close an engine's channel at once and forget it (the other engines go on)."""
+        ch.close(timeout=0)
+        self._channels.remove(ch)
+
     def _prune(self) -> None:
         """Drop the channels whose connection ended (an engine that went, even by SIGKILL): their leases
-        completed as ``"disconnected"`` and the other engines go on."""
+        completed as ``"disconnected"``."""
         for ch in [ch for ch in self._channels if ch.closed]:
-            ch.close(timeout=0)
-            self._channels.remove(ch)
+            self._drop(ch)
 
     def accept(self, timeout: float | None = 60.0) -> None:
         """Take the next engine's connection (its peer checked; :meth:`Listener.accept`'s errors)."""
@@ -243,11 +247,19 @@ class WeightPublisher:
             t = t.view(carrier) if t.dim() else t.reshape(1).view(carrier).reshape(())
         return t.numpy() if self.pool.is_host else t  # a host pool's channel reads NumPy arrays
 
+    def _block(self, torch: Any, nbytes: int, timeout: float | None) -> Any:
+        """A pool block of ``nbytes`` bytes as a flat uint8 tensor (``timeout=0``: only if there is room now)."""
+        flat = self.pool.empty((nbytes,), "uint8", timeout=timeout)
+        return torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
+
+    @staticmethod
+    def _shaped(buf: Any, item: _Item) -> Any:
+        """The start of the flat uint8 tensor ``buf`` viewed as ``item.src`` is shaped."""
+        return buf[:item.nbytes].view(item.src.dtype).view(item.src.shape)
+
     def _stage(self, torch: Any, item: _Item, timeout: float | None) -> Any:
         """A pool block shaped like ``item.src`` (``timeout=0``: only if there is room now)."""
-        flat = self.pool.empty((max(item.nbytes, 1),), "uint8", timeout=timeout)
-        buf = torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
-        return buf[:item.nbytes].view(item.src.dtype).view(item.src.shape)
+        return self._shaped(self._block(torch, max(item.nbytes, 1), timeout), item)
 
     def _room(self) -> int:
         """Bytes a bucketed version may stage per batch: half of the pool's free bytes (this publisher's
@@ -263,12 +275,6 @@ class WeightPublisher:
         n = self.stream_batches
         first = total / 16 if n > 1 else total
         each = (total - first) / n if n > 1 else total
-        if half is not None:
-            big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
-            if big is not None and _aligned(big.nbytes) > half:
-                raise InvalidArgumentError(
-                    f"{big.name} ({big.nbytes} bytes) needs a pool of at least twice its size: "
-                    f"{half * 2} bytes are free of max_bytes {self.pool.max_bytes}")
         out: list[list[_Item]] = [[]]
         filled = staged = 0
         for it in items:
@@ -328,17 +334,13 @@ class WeightPublisher:
         return None
 
     def _two_blocks(self, torch: Any, size: int) -> list[Any] | None:
-        def block(n: int) -> Any:
-            flat = self.pool.empty((n,), "uint8", timeout=0)
-            return torch.from_numpy(flat) if self.pool.is_host else torch.from_dlpack(flat)
-
         try:
-            both = block(2 * size)
+            both = self._block(torch, 2 * size, 0)
             return [both[:size], both[size:]]
         except (PoolExhaustedError, InvalidArgumentError):  # no hole or chunk that large: two apart
             pass
         try:
-            return [block(size), block(size)]
+            return [self._block(torch, size, 0), self._block(torch, size, 0)]
         except (PoolExhaustedError, InvalidArgumentError):
             return None
 
@@ -398,8 +400,12 @@ class WeightPublisher:
             half = bucket = None
             if not keep:
                 half = self._room()
-                floor = max((_aligned(i.nbytes) for i in items if i.staged), default=256)
-                self._plan(items, half)  # (refuses an item that could never go: nothing is sent)
+                big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
+                floor = 256 if big is None else _aligned(big.nbytes)
+                if big is not None and floor > half:  # it could never go: nothing is sent
+                    raise InvalidArgumentError(
+                        f"{big.name} ({big.nbytes} bytes) needs a pool of at least twice its size: "
+                        f"{half * 2} bytes are free of max_bytes {self.pool.max_bytes}")
                 got = self._buckets(torch, half, floor)
                 if got is None:
                     raise PoolExhaustedError(
@@ -428,7 +434,7 @@ class WeightPublisher:
                                 if keep:
                                     dst = self._kept[it.name]
                                 else:
-                                    dst = bucket[b % 2][off:off + it.nbytes].view(it.src.dtype).view(it.src.shape)
+                                    dst = self._shaped(bucket[b % 2][off:], it)
                                     off += _aligned(it.nbytes)
                                 dst.copy_(src, non_blocking=not host)
                                 src = dst
@@ -448,8 +454,7 @@ class WeightPublisher:
                         except DmaBufError:
                             if not ch.closed or len(self._channels) == 1:
                                 raise
-                            self._channels.remove(ch)  # that engine went: the others go on
-                            ch.close(timeout=0)
+                            self._drop(ch)  # that engine went: the others go on
                             continue
                         self._leases.append(lease)
                         leases.append(lease)
@@ -486,8 +491,7 @@ class WeightPublisher:
                 ch.send_many({ABORT_ITEM: token}, meta={"weight_sync": PROTOCOL, "version": version,
                                                         "abort": reason[:1000]}, timeout=1.0)
             except DmaBufError:
-                ch.close(timeout=0)
-                self._channels.remove(ch)
+                self._drop(ch)
 
     def _spare_byte(self) -> Any:
         """A byte of this publisher's own staging, for an abort batch when the pool has no room (a bucketed

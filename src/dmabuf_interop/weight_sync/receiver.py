@@ -206,16 +206,18 @@ class ReceivedVersion:
         given back before its last batch was read is skipped, rest and abort alike, by the next receive."""
         if not self._done and self.version is not None:
             self._rx.partial = self.version
-        for settle in (False, True):
-            if settle:
-                self._settle()
-            held, self._held = self._held, []
-            rec = []
-            for b in held:
-                b.items = []
-                rec += b.received.values()
-            if rec:
-                release_all(rec)
+        self._give_back_held()
+        self._settle()
+        self._give_back_held()
+
+    def _give_back_held(self) -> None:
+        held, self._held = self._held, []
+        rec = []
+        for b in held:
+            b.items = []
+            rec += b.received.values()
+        if rec:
+            release_all(rec)
 
     def __enter__(self) -> "ReceivedVersion":
         return self
