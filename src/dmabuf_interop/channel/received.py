@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 import threading
@@ -305,21 +306,25 @@ def release_all(items: Mapping[str, Received] | Iterable[Received]) -> None:
         InvalidArgumentError: an item is not a Received.
     """
     items = list(items.values() if isinstance(items, Mapping) else items)
-    bad = next((r for r in items if not isinstance(r, Received)), None)
-    if bad is not None:
-        raise InvalidArgumentError(f"release_all takes Received objects, got {type(bad).__name__}")
+    if items and set(map(type, items)) != {Received}:
+        bad = next((r for r in items if not isinstance(r, Received)), None)
+        if bad is not None:  # (a subclass passes)
+            raise InvalidArgumentError(f"release_all takes Received objects, got {type(bad).__name__}")
+    # Items of one message share its hold (its stream; its chunks lie on one device) and come in runs:
+    # the checks below are per run, not per item (a state dict of thousands, every step).
+    runs = [(hold, list(members)) for hold, members in itertools.groupby(items, key=_HOLD)]
     synced: set[tuple[int, int]] = set()
-    for r in items:
-        if r.device >= 0 and r._stream is not None and not r.released and (r.device, r._stream) not in synced:
-            from .. import _driver as driver
+    for hold, members in runs:
+        if hold.stream is None or not hold.alive or all(map(_DONE, members)):
+            continue
+        for device in {r._chunk.device for r in members}:
+            if device >= 0 and (device, hold.stream) not in synced:
+                from .. import _driver as driver
 
-            driver.set_current(r.device)
-            driver.stream_synchronize(r._stream)
-            synced.add((r.device, r._stream))
-    holds: dict[int, tuple[Hold, list[Received]]] = {}
-    for r in items:
-        holds.setdefault(id(r._hold), (r._hold, []))[1].append(r)
-    for hold, members in holds.values():
+                driver.set_current(device)
+                driver.stream_synchronize(hold.stream)
+                synced.add((device, hold.stream))
+    for hold, members in runs:
         hold.release(members)
 
 
