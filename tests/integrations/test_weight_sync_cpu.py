@@ -342,6 +342,43 @@ def test_the_same_tensors_sent_again_reuse_the_plan_and_a_changed_one_is_sent_as
         assert report.staged_bytes == 4 * 8 + 2 * 32 * 32 * 4  # plain, p2 (not contiguous now) and p3
 
 
+def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_version(tmp_path):
+    """The same state dict in the same blocks: the loader gets last version's tensor objects again (the
+    first of each batch excepted: its descriptor carries the version), holding this version's values. A
+    tensor whose shape changed gets a new view, of its new shape."""
+    addr = str(tmp_path / "w.sock")
+    state = {f"w{i}": torch.full((16, 16), float(i)) for i in range(12)}
+    handed: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            for _ in range(3):
+                seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+                rx.load(lambda items: seen.update((n, (t, t.clone())) for n, t in items))
+                handed.append(seen)
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=2) as pub:
+        pub.accept(timeout=30)
+        report = pub.publish(state, 0)
+        state = {n: t + 100 for n, t in state.items()}  # other tensors, same shapes: staged as before
+        pub.publish(state, 1)
+        state["w5"] = torch.full((8, 32), 7.0)  # another shape, as many bytes
+        pub.publish(state, 2)
+        th.join(60)
+    assert len(handed) == 3 and report.batches >= 2
+    firsts = {f"w{i}" for i in range(12)} - {n for n in handed[1] if handed[1][n][0] is handed[0][n][0]}
+    assert len(firsts) == report.batches  # every tensor but the first of each batch was kept
+    for v, want in ((1, 100.0), (2, 100.0)):
+        for i in range(12):
+            n = f"w{i}"
+            if n != "w5" or v == 1:
+                assert torch.equal(handed[v][n][1], torch.full((16, 16), i + want)), (v, n)
+    assert handed[2]["w5"][0] is not handed[1]["w5"][0] and handed[2]["w5"][0].shape == (8, 32)
+    assert torch.equal(handed[2]["w5"][1], torch.full((8, 32), 7.0))
+
+
 def test_the_next_batch_is_taken_while_the_caller_holds_one_and_given_back_if_it_stops(tmp_path):
     """The receiver takes batch i+1 in its prefetch worker while batch i is in the caller's hands, never
     a batch of the next version; a caller that stops part-way gives back the batch taken ahead too."""
