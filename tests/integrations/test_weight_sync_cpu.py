@@ -33,15 +33,15 @@ def _state(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
 class Engine(threading.Thread):
     """Receives ``versions`` versions with ``load``, keeping a copy of each; errors kept, not raised."""
 
-    def __init__(self, address: str, versions: int, load=None) -> None:
+    def __init__(self, address: str, versions: int, load=None, prefetch: bool = False) -> None:
         super().__init__(daemon=True)
-        self.address, self.versions, self.load_fn = address, versions, load
+        self.address, self.versions, self.load_fn, self.prefetch = address, versions, load, prefetch
         self.got: dict[int, dict[str, torch.Tensor]] = {}
         self.errors: list[BaseException] = []
         self.ready = threading.Event()
 
     def run(self) -> None:
-        with WeightReceiver(self.address, timeout=30, wait=True) as rx:
+        with WeightReceiver(self.address, timeout=30, wait=True, prefetch=self.prefetch) as rx:
             self.ready.set()
             for _ in range(self.versions):
                 seen: dict[str, torch.Tensor] = {}
@@ -343,9 +343,8 @@ def test_the_same_tensors_sent_again_reuse_the_plan_and_a_changed_one_is_sent_as
 
 
 def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_version(tmp_path):
-    """The same state dict in the same blocks: the loader gets last version's tensor objects again (the
-    first of each batch excepted: its descriptor carries the version), holding this version's values. A
-    tensor whose shape changed gets a new view, of its new shape."""
+    """The same state dict in the same blocks: the loader gets last version's tensor objects again, holding
+    this version's values. A tensor whose shape changed gets a new view, of its new shape."""
     addr = str(tmp_path / "w.sock")
     state = {f"w{i}": torch.full((16, 16), float(i)) for i in range(12)}
     handed: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -368,8 +367,7 @@ def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_versi
         pub.publish(state, 2)
         th.join(60)
     assert len(handed) == 3 and report.batches >= 2
-    firsts = {f"w{i}" for i in range(12)} - {n for n in handed[1] if handed[1][n][0] is handed[0][n][0]}
-    assert len(firsts) == report.batches  # every tensor but the first of each batch was kept
+    assert all(handed[1][n][0] is handed[0][n][0] for n in handed[0])  # the first of each batch too
     for v, want in ((1, 100.0), (2, 100.0)):
         for i in range(12):
             n = f"w{i}"
@@ -391,7 +389,7 @@ def test_the_next_batch_is_taken_while_the_caller_holds_one_and_given_back_if_it
         go = threading.Event()
 
         def engine() -> None:
-            with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            with WeightReceiver(addr, timeout=30, wait=True, prefetch=True) as rx:
                 rv = rx.receive()
                 it = rv.batches()
                 next(it)
@@ -473,7 +471,7 @@ def test_an_engine_that_exits_with_a_batch_being_taken_ahead_exits_at_once(tmp_p
     script = textwrap.dedent(f"""
         import sys
         from dmabuf_interop.weight_sync import WeightReceiver
-        rx = WeightReceiver({addr!r}, timeout=60, wait=True)
+        rx = WeightReceiver({addr!r}, timeout=60, wait=True, prefetch=True)
         rv = rx.receive()
         it = rv.batches()
         next(it)  # batch 0 of 2; the worker now waits for batch 1
@@ -500,9 +498,10 @@ def _bucketed_state(v: float) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.full((64 * 1024,), float(v)) for i in range(8)}  # 8 x 256 KiB float32, staged
 
 
-def test_a_loader_that_fails_in_a_bucketed_version_is_reported_at_once(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in-turn", "prefetch"])
+def test_a_loader_that_fails_in_a_bucketed_version_is_reported_at_once(tmp_path, prefetch):
     """Buckets (a 1 MiB pool): the receiver gives batch i-1 back as it takes batch i, so the trainer can stage
-    batch i+1, which the prefetch worker waits for. A loader that fails on batch 1 is reported at once and the
+    batch i+1 (which a prefetch worker waits for). A loader that fails on batch 1 is reported at once and the
     next version arrives, with no wait for the trainer's timeout."""
     import time
 
@@ -515,7 +514,7 @@ def test_a_loader_that_fails_in_a_bucketed_version_is_reported_at_once(tmp_path)
             raise RuntimeError("engine out of memory")
 
     with WeightPublisher(addr, max_bytes=1 << 20, timeout=20) as pub:
-        eng = Engine(addr, 2, load=flaky)
+        eng = Engine(addr, 2, load=flaky, prefetch=prefetch)
         eng.start()
         pub.accept(timeout=30)
         t0 = time.monotonic()

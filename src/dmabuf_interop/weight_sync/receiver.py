@@ -33,7 +33,7 @@ class ReceivedVersion:
     (``keep`` false), batch ``i-1`` is given back as batch ``i`` is taken, so hold on to nothing of a
     batch past the next one.
 
-    With a ``prefetch`` worker (:class:`WeightReceiver` has one), batch ``i+1`` is received and made
+    With a ``prefetch`` worker (``WeightReceiver(prefetch=True)``), batch ``i+1`` is received and made
     into tensors in that thread while the caller uses batch ``i``: see Note [prefetch].
     """
 
@@ -51,7 +51,7 @@ class ReceivedVersion:
         self._taken = 0  # batches taken from the channel (handed out, or received ahead)
         self._first: dict[str, Any] | None = None
         self._done = False
-        self._fresh: dict[str, tuple[Any, str | None, Any]] = {}  # this version's views (Note [kept views])
+        self._fresh: dict[str, tuple[Any, str | None, Any, Any]] = {}  # this version's views (Note [kept views])
 
     def _recv(self, index: int) -> Batch:
         torch = _torch()
@@ -92,7 +92,9 @@ class ReceivedVersion:
         for name, r in batch.items():
             d = r.descriptor
             hit = kept.get(name)
-            if hit is not None and hit[0] is d and hit[1] == dtypes.get(name):
+            # (r._chunk: the mapped chunk the channel made r with; compared by identity, never used)
+            if hit is not None and hit[1] == dtypes.get(name) and (
+                    hit[0] is d or (hit[3] is r._chunk and hit[0].view_plan == d.view_plan)):
                 fresh[name] = hit
                 items.append((name, hit[2]))
             else:
@@ -114,7 +116,7 @@ class ReceivedVersion:
                     release_all(batch)
                     raise ProtocolError(f"weight sync: {name} travels as {t.dtype}, which is no {d}")
                 t = t.view(want) if t.dim() else t.reshape(1).view(want).reshape(())
-            fresh[name] = (r.descriptor, d, t)
+            fresh[name] = (r.descriptor, d, t, r._chunk)
             items[i] = (name, t)
         return items
 
@@ -122,15 +124,16 @@ class ReceivedVersion:
     # ~~~~~~~~~~~~~~~~~
     # A trainer that sends the same state dict every step places it in the same blocks (a kept pool, or
     # the two bucket blocks in turn), and the channel repeats the layout: the same descriptor objects
-    # arrive again (the first of a batch excepted: its meta differs). A tensor is a view of where its
-    # descriptor says, so the view made for a descriptor last version is the view for it now: it is
-    # handed out again instead of making one more (an as_strided and a dtype view: ~5 to 7 us a tensor,
-    # a third of what taking a batch costs). The protocol guarantees that a repeated layout names the
-    # chunks it was defined over (a repeat over a chunk retired since is refused), so the kept view's
-    # chunk is the one mapped now; the view keeps its chunk mapped (ChunkRef) while kept. What is kept is
-    # what the last version used, no more: the table is replaced when a version ends whole, and dropped
-    # with the receiver. The same tensor object then reaches the loader every step; it is valid, as any
-    # tensor handed out, until its version is released.
+    # arrive again (the first of a batch is a copy: it carries the batch's meta). A tensor is a view of
+    # where its descriptor says in its chunk, so last version's view for the same place (the same
+    # descriptor, or an equal view_plan in the same mapped chunk object) is the view now: it is handed out
+    # again instead of making one more (an as_strided and a dtype view: ~5 to 7 us a tensor, half of what
+    # taking a batch cost; and a chunk's DLPack import per batch). The chunk is compared by identity: a
+    # chunk id retired and announced again is another mapping, and a repeated layout names the very chunks
+    # it was defined over (a repeat over one retired since is refused). The view keeps its chunk mapped
+    # (ChunkRef) while kept. What is kept is what the last version used, no more: the table is replaced
+    # when a version ends whole, and dropped with the receiver. The same tensor object then reaches the
+    # loader every step; it is valid, as any tensor handed out, until its version is released.
 
     def batches(self) -> Iterator[Batch]:
         """Each batch of the version as it arrives.
@@ -176,17 +179,18 @@ class ReceivedVersion:
 
     # Note [prefetch]
     # ~~~~~~~~~~~~~~~
-    # An engine's loader copies each tensor (vLLM's and SGLang's load_weights): 12 to 16 us of launch a
-    # tensor on an H200 host. Taking a batch costs about as much again (recv_many, the descriptors' checks,
-    # a view per tensor). One after the other, the engine's CPU and not the copies set the pace (399 tensors
-    # of ws-8b: ~11 ms of CPU for 8.9 ms of copies). So batch i+1 is taken in one worker thread while the
-    # caller loads batch i; both hold the GIL most of the time, so this gains what the GIL lets go (measured:
-    # 1.2 to 1.4 ms a batch of ~45 tensors instead of 1.4 to 1.6). The worker never reads past the version's
-    # last batch (the next version's first batch stays in the channel), and a batch it took is owned by this
-    # version: release() and drain() wait for it (within the timeout of a batch) and give it back with the
-    # rest. Its stream wait (recv_many's stream=) may be queued before batch i's copies on a shared stream:
-    # that only orders them after a write of the trainer that is complete before batch i+1 was sent, never
-    # before one.
+    # An engine's loader copies each tensor (vLLM's and SGLang's load_weights): about 10 us of launch a tensor
+    # on an H200 host. With a prefetch worker, batch i+1 is taken in one thread while the caller loads batch
+    # i. Both hold the GIL most of the time, and torch lets it go around every op, so the two threads hand it
+    # back and forth. Measured on ws-8b (399 tensors, 9 batches, the vllm-backend path, one H200): while
+    # taking a batch cost as much as loading it (~14 us a tensor), the overlap gained a little (1.2 to 1.4 ms
+    # a batch instead of 1.4 to 1.6). Once taking a batch cost ~6 us a tensor (Note [kept views]), a step took
+    # 11.2 ms with the worker and 10.4 ms without, in one run. So it is off by default. When on, the worker
+    # never reads past the version's last batch (the next version's first batch stays in the channel), and
+    # a batch it took is owned by this version: release() and drain() wait for it (within the timeout of a
+    # batch) and give it back with the rest. Its stream wait (recv_many's stream=) may be queued before
+    # batch i's copies on a shared stream: that only orders them after a write of the trainer that is
+    # complete before batch i+1 was sent, never before one.
 
     @property
     def taken(self) -> int:
@@ -274,7 +278,8 @@ class WeightReceiver:
         allow_uids, allow_gids: trainers allowed besides this uid.
         streams: CUDA streams that batches are loaded on in turn (default: :data:`RECV_STREAMS` new ones on
             ``device``).
-        prefetch: take the next batch in a worker thread while the caller loads one (Note [prefetch]).
+        prefetch: take the next batch in a worker thread while the caller loads one (Note [prefetch]: it
+            costs more than it gains where taking a batch is cheap, so it is off by default).
 
     Raises:
         SyscallError, PeerRefusedError, WaitTimeoutError: as :func:`~dmabuf_interop.channel.connect`.
@@ -282,7 +287,7 @@ class WeightReceiver:
 
     def __init__(self, address: str, *, device: int | None = None, timeout: float | None = 60.0,
                  wait: bool = False, allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
-                 streams: list[Any] | None = None, prefetch: bool = True) -> None:
+                 streams: list[Any] | None = None, prefetch: bool = False) -> None:
         self.host = device is None
         self.device = device
         self.timeout = timeout
@@ -296,8 +301,8 @@ class WeightReceiver:
         #: The last version received whole, and a version stopped part-way after it (``None``: none).
         self.version: int | None = None
         self.partial: int | None = None
-        #: name -> (descriptor, dtype asked, tensor) of the last version read whole (Note [kept views]).
-        self._views: dict[str, tuple[Any, str | None, Any]] = {}
+        #: name -> (descriptor, dtype asked, tensor, chunk) of the last version read whole (Note [kept views]).
+        self._views: dict[str, tuple[Any, str | None, Any, Any]] = {}
 
     def receive(self, *, timeout: float | None = None) -> ReceivedVersion:
         """The next version, read batch by batch as it is iterated (``timeout`` per batch)."""
