@@ -377,6 +377,29 @@ def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_versi
     assert torch.equal(handed[2]["w5"][1], torch.full((8, 32), 7.0))
 
 
+def test_parameters_that_require_grad_are_sent_again_with_their_new_values(tmp_path):
+    """A module's parameters (requires_grad) handed over every step, updated in place in between: the
+    second version reuses the plan and still sends what the parameters hold now."""
+    addr = str(tmp_path / "w.sock")
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=3) as pub:
+        eng = Engine(addr, 2)
+        eng.start()
+        pub.accept(timeout=30)
+        pub.publish(dict(model.named_parameters()), 0)
+        first = pub._last
+        pub.wait(30)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2)  # an optimizer step: in place
+        pub.publish(dict(model.named_parameters()), 1)
+        assert pub._last is first
+        eng.join(60)
+    assert not eng.errors
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert _equal(eng.got[1], want) and all(p.requires_grad for p in model.parameters())
+
+
 def test_the_next_batch_is_taken_while_the_caller_holds_one_and_given_back_if_it_stops(tmp_path):
     """The receiver takes batch i+1 in its prefetch worker while batch i is in the caller's hands, never
     a batch of the next version; a caller that stops part-way gives back the batch taken ahead too."""
