@@ -431,8 +431,8 @@ class WeightPublisher:
                         for it in batch:
                             src = it.src
                             if src.requires_grad:
-                                # Detached here, batch by batch (load-bearing: ~1.5 us a tensor, so the
-                                # first batch leaves before the others are detached, not after).
+                                # Detached here, batch by batch (load-bearing: 0.4 to 0.7 us a tensor, so
+                                # the first batch leaves before the others are detached, not after).
                                 src = src.detach()
                             if it.staged:
                                 if keep:
