@@ -723,3 +723,69 @@ def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp
     finally:
         engine.shutdown()
         worker.shutdown()
+
+
+def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells_of_a_refused_state_dict(tmp_path):
+    """The trainer checks the state dict while ``start_weight_update`` is on its way. A start that fails
+    (the engine refuses) is raised and nothing is sent, so the next round arrives as it is; a state dict
+    refused after a start that went through is told to the engine (its ``update_weights`` fails), and the
+    next round arrives too."""
+    from dmabuf_interop.integrations.vllm import InitInfo, TrainerEngine, TrainerOptions, UpdateInfo, WorkerEngine
+
+    class Model:
+        def __init__(self) -> None:
+            self.w = torch.zeros(1000)
+
+        def load_weights(self, items):
+            for _, t in items:
+                self.w.copy_(t)
+
+    model = Model()
+    worker = WorkerEngine(torch.device("cpu"), model)
+    updates: list[tuple[int, str]] = []
+
+    class Client:
+        starts = 0
+
+        def init_weight_transfer_engine(self, info):
+            worker.init_transfer_engine(InitInfo(**info))
+
+        def start_weight_update(self):
+            Client.starts += 1
+            if Client.starts == 1:
+                raise RuntimeError("the engine is busy")
+
+        def update_weights(self, info):
+            try:
+                worker.receive_weights(UpdateInfo(**info))
+                updates.append((info["version"], "ok"))
+            except IncompleteVersionError as exc:
+                updates.append((info["version"], type(exc).__name__))
+                raise
+
+        def finish_weight_update(self):
+            pass
+
+    weights: dict[str, object] = {"w": torch.zeros(1000)}
+
+    class Source:
+        def iter_full(self):
+            return iter(weights.items())
+
+    options = TrainerOptions(address=str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=10.0)
+    engine = TrainerEngine.trainer_init(options, client=Client(), source=Source())
+    try:
+        with pytest.raises(RuntimeError, match="busy"):
+            engine.send_weights()
+        weights["w"].fill_(2)
+        assert engine.send_weights() == 2 and model.w[0].item() == 2
+        weights["bad"] = "not a tensor"
+        with pytest.raises(InvalidArgumentError, match="bad"):
+            engine.send_weights()
+        del weights["bad"]
+        weights["w"].fill_(4)
+        assert engine.send_weights() == 4 and model.w[0].item() == 4
+        assert updates == [(2, "ok"), (3, "IncompleteVersionError"), (4, "ok")]
+    finally:
+        engine.shutdown()
+        worker.shutdown()
