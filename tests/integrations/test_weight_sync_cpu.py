@@ -726,10 +726,9 @@ def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp
 
 
 def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells_of_a_refused_state_dict(tmp_path):
-    """The trainer checks the state dict while ``start_weight_update`` is on its way. A start that fails
-    (the engine refuses) is raised and nothing is sent, so the next round arrives as it is; a state dict
-    refused after a start that went through is told to the engine (its ``update_weights`` fails), and the
-    next round arrives too."""
+    """A ``start_weight_update`` that fails (the engine refuses) is raised and nothing is sent, so the next
+    round arrives as it is; a state dict refused after a start that went through is told to the engine (its
+    ``update_weights`` fails), and the next round arrives too."""
     from dmabuf_interop.integrations.vllm import InitInfo, TrainerEngine, TrainerOptions, UpdateInfo, WorkerEngine
 
     class Model:

@@ -204,8 +204,8 @@ class TrainerEngine:
 
     def send_weights(self, pairs: Iterable[tuple[str, Any]] | None = None) -> int:
         """One round: ``start_weight_update``, then ``update_weights({"version": v})``, both in one thread,
-        while the state dict is checked and planned, then sent over the channels once
-        ``start_weight_update`` has returned; ``finish_weight_update``. Returns the version sent.
+        while the state dict goes over the channels once ``start_weight_update`` has returned;
+        ``finish_weight_update``. Returns the version sent.
 
         Raises:
             IncompleteVersionError: sending stopped part-way (the engines were told).
@@ -249,40 +249,23 @@ class TrainerEngine:
         if self._rpc is None:
             self._rpc = DaemonWorker("dmabuf-interop-update-weights")
         call = self._rpc.submit(rpc)
-        gate: dict[str, Any] = {"called": False, "error": None}
-
-        def started_ok() -> None:
-            """Wait for start_weight_update: it returned (go on), failed or timed out (raise: send nothing)."""
-            gate["called"] = True
-            try:
-                if not started.wait(self.options.timeout):
-                    with decided:
-                        round_state["given_up"] = not round_state["go"]  # (start may have returned just now)
-                    if round_state["given_up"]:
-                        assert self._rpc is not None
-                        self._rpc.shutdown(timeout=0)  # still in start_weight_update: the next round gets a thread of its own
-                        self._rpc = None
-                        raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
-                if "start" in out:  # nothing was sent: the engines never began this version
-                    raise out["start"]
-            except BaseException as exc:
-                gate["error"] = exc
-                raise
-
+        if not started.wait(self.options.timeout):
+            with decided:
+                round_state["given_up"] = not round_state["go"]  # (start may have returned just now)
+            if round_state["given_up"]:
+                self._rpc.shutdown(timeout=0)  # still in start_weight_update: the next round gets a thread of its own
+                self._rpc = None
+                raise WaitTimeoutError(f"start_weight_update did not return in {self.options.timeout} s")
+        if "start" in out:  # nothing was sent: the engines never began this version
+            raise out["start"]
         try:
-            # The publisher checks and plans the version while start_weight_update is on its way, and waits
-            # for it only before the first batch goes (a speed trick: ~0.5 ms of ws-8b's 399 tensors).
-            self.report = self.publisher.publish(pairs, version, before_send=started_ok)
+            self.report = self.publisher.publish(pairs, version)
         except BaseException as exc:
-            if exc is gate["error"]:
-                raise  # nothing was sent: no abort (the engines never began this version)
-            if not gate["called"]:
-                started_ok()  # refused before the start was known: a start that failed is what is raised
             if not isinstance(exc, IncompleteVersionError):  # refused before a batch went: the engines wait
                 self.publisher.abort(version, f"the trainer refused the version: {type(exc).__name__}: {exc}")
-            concurrent.futures.wait([call], self.options.timeout)
             raise
-        done = concurrent.futures.wait([call], self.options.timeout).done
+        finally:
+            done = concurrent.futures.wait([call], self.options.timeout).done
         if not done:
             self._rpc.shutdown(timeout=0)  # still in update_weights: the next round gets a thread of its own
             self._rpc = None

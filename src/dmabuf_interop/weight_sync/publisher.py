@@ -355,16 +355,12 @@ class WeightPublisher:
         return n
 
     def publish(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int, *,
-                stream: Any = None, timeout: float | None = None,
-                before_send: Callable[[], None] | None = None) -> PublishReport:
+                stream: Any = None, timeout: float | None = None) -> PublishReport:
         """Send ``state`` (name -> tensor, or (name, tensor) pairs; an iterator is consumed first) as
         ``version`` to every connected engine.
 
         Waits first for the previous version to be given back. Copies into the pool run on ``stream``
         (default: torch's current stream of the pool's GPU); the engines' streams wait for them.
-        ``before_send`` is called once the version is checked and planned, just before its first batch is
-        staged and sent (a caller may wait there for its engines to be told of the version while the checks
-        run); what it raises ends the call, with nothing sent, as it is.
 
         Raises:
             InvalidArgumentError: not tensors (or meta tensors), unsupported dtypes, duplicate names, no engine
@@ -423,8 +419,6 @@ class WeightPublisher:
             if self._last is not None:
                 self._last.batches = batches if keep else None
             sent = 0
-            if before_send is not None:
-                before_send()
             began = False  # an engine has a batch of this version: a failure from here on is told to them all
             try:
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
