@@ -377,6 +377,31 @@ def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_versi
     assert torch.equal(handed[2]["w5"][1], torch.full((8, 32), 7.0))
 
 
+def test_a_version_read_whole_and_never_released_is_given_back_once_collected(tmp_path):
+    """``for name, t in rx.receive()`` with no release(): the receiver keeps the tensors made for that version
+    (Note [kept views]), and each keeps its item held, so the channel's safety net alone never gives the version
+    back (the trainer waited out its timeout); the version's own does, once it is collected."""
+    addr = str(tmp_path / "w.sock")
+    state = {f"w{i}": torch.full((16, 16), float(i)) for i in range(4)}
+    got: list[dict[str, torch.Tensor]] = []
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            for _ in range(3):
+                got.append({n: t.clone() for n, t in rx.receive()})  # never released
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, timeout=5) as pub:
+        pub.accept(timeout=30)
+        for v in range(3):
+            pub.publish({n: t + v for n, t in state.items()}, v)  # first waits for the version before
+        pub.wait(5)
+        th.join(30)
+    assert len(got) == 3
+    assert all(torch.equal(got[v][f"w{i}"], torch.full((16, 16), i + v)) for v in range(3) for i in range(4))
+
+
 def test_parameters_that_require_grad_are_sent_again_with_their_new_values(tmp_path):
     """A module's parameters (requires_grad) handed over every step, updated in place in between: the
     second version reuses the plan and still sends what the parameters hold now."""
