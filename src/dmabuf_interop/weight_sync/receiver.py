@@ -32,7 +32,9 @@ class ReceivedVersion:
 
     A tensor is valid until released. When the trainer could not keep the whole version in its pool
     (``keep`` false), batch ``i-1`` is given back as batch ``i`` is taken, so hold on to nothing of a
-    batch past the next one.
+    batch past the next one. A state dict sent again in the same blocks comes as the tensor objects of
+    the last version read whole (Note [kept views]): change none in place (``t.unsqueeze_()``,
+    ``t.data = ...``), or the next version comes with that change.
 
     With a ``prefetch`` worker (``WeightReceiver(prefetch=True)``), batch ``i+1`` is received and made
     into tensors in that thread while the caller uses batch ``i``: see Note [prefetch].
