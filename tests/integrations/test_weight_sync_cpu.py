@@ -646,6 +646,37 @@ def test_a_version_given_back_part_way_is_skipped_with_its_abort(tmp_path):
     assert out["next"] == 2
 
 
+def test_a_version_read_whole_by_iterating_is_the_receivers_version(tmp_path):
+    """A version given back part-way, then one read whole through ``receive()`` (not ``load()``): the receiver's
+    ``version`` is the whole one and ``partial`` is cleared, as after ``load()`` (``partial`` still named the
+    version given back, and an abort of that number would have been skipped as its end)."""
+    addr = str(tmp_path / "w.sock")
+    state = {f"t{i}": torch.full((64, 64), float(i)) for i in range(8)}
+    out: dict[str, object] = {}
+    go = threading.Event()
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            with rx.receive() as v:
+                next(v.batches())  # batch 0 of version 1, then given back part-way
+            out["partial"] = rx.partial
+            go.set()
+            with rx.receive() as v:
+                out["names"] = [n for n, _ in v]
+            out["after"] = (rx.version, rx.partial)
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        pub.accept(timeout=30)
+        pub.publish(state, 1)
+        assert go.wait(30)
+        pub.publish(state, 2)
+        pub.wait(30)
+        th.join(30)
+    assert out["partial"] == 1 and out["names"] == list(state) and out["after"] == (2, None)
+
+
 def test_an_engine_killed_mid_run_is_dropped_and_the_others_go_on(tmp_path):
     """Two engines; one is SIGKILLed while it holds version 1. The publisher drops its channel (its leases
     completed as disconnected) and version 2 reaches the other, whole."""

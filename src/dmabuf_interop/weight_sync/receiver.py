@@ -186,6 +186,7 @@ class ReceivedVersion:
             raise
         self._done = True
         self._rx._views = self._fresh
+        self._rx.version, self._rx.partial = self.version, None
 
     # Note [prefetch]
     # ~~~~~~~~~~~~~~~
@@ -359,7 +360,6 @@ class WeightReceiver:
                               f"applied): {exc}")
                     raise IncompleteVersionError(rv.version or 0, rv.applied - 1, rv.batches_total or 0,
                                                  reason) from exc
-        self.version, self.partial = rv.version, None
         return rv.version  # type: ignore[return-value]
 
     def load_into(self, module: Any, *, timeout: float | None = None, strict: bool = True) -> int:
