@@ -377,6 +377,31 @@ def test_a_state_dict_sent_again_reaches_the_loader_as_the_views_made_last_versi
     assert torch.equal(handed[2]["w5"][1], torch.full((8, 32), 7.0))
 
 
+def test_a_version_read_whole_and_never_released_is_given_back_once_collected(tmp_path):
+    """``for name, t in rx.receive()`` with no release(): the receiver keeps the tensors made for that version
+    (Note [kept views]), and each keeps its item held, so the channel's safety net alone never gives the version
+    back (the trainer waited out its timeout); the version's own does, once it is collected."""
+    addr = str(tmp_path / "w.sock")
+    state = {f"w{i}": torch.full((16, 16), float(i)) for i in range(4)}
+    got: list[dict[str, torch.Tensor]] = []
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            for _ in range(3):
+                got.append({n: t.clone() for n, t in rx.receive()})  # never released
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, timeout=5) as pub:
+        pub.accept(timeout=30)
+        for v in range(3):
+            pub.publish({n: t + v for n, t in state.items()}, v)  # first waits for the version before
+        pub.wait(5)
+        th.join(30)
+    assert len(got) == 3
+    assert all(torch.equal(got[v][f"w{i}"], torch.full((16, 16), i + v)) for v in range(3) for i in range(4))
+
+
 def test_parameters_that_require_grad_are_sent_again_with_their_new_values(tmp_path):
     """A module's parameters (requires_grad) handed over every step, updated in place in between: the
     second version reuses the plan and still sends what the parameters hold now."""
@@ -619,6 +644,37 @@ def test_a_version_given_back_part_way_is_skipped_with_its_abort(tmp_path):
         pub.publish(_state(2), 2)
         th.join(60)
     assert out["next"] == 2
+
+
+def test_a_version_read_whole_by_iterating_is_the_receivers_version(tmp_path):
+    """A version given back part-way, then one read whole through ``receive()`` (not ``load()``): the receiver's
+    ``version`` is the whole one and ``partial`` is cleared, as after ``load()`` (``partial`` still named the
+    version given back, and an abort of that number would have been skipped as its end)."""
+    addr = str(tmp_path / "w.sock")
+    state = {f"t{i}": torch.full((64, 64), float(i)) for i in range(8)}
+    out: dict[str, object] = {}
+    go = threading.Event()
+
+    def engine() -> None:
+        with WeightReceiver(addr, timeout=30, wait=True) as rx:
+            with rx.receive() as v:
+                next(v.batches())  # batch 0 of version 1, then given back part-way
+            out["partial"] = rx.partial
+            go.set()
+            with rx.receive() as v:
+                out["names"] = [n for n, _ in v]
+            out["after"] = (rx.version, rx.partial)
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    with WeightPublisher(addr, max_bytes=1 << 20, stream_batches=4) as pub:
+        pub.accept(timeout=30)
+        pub.publish(state, 1)
+        assert go.wait(30)
+        pub.publish(state, 2)
+        pub.wait(30)
+        th.join(30)
+    assert out["partial"] == 1 and out["names"] == list(state) and out["after"] == (2, None)
 
 
 def test_an_engine_killed_mid_run_is_dropped_and_the_others_go_on(tmp_path):

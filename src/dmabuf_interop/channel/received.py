@@ -78,12 +78,16 @@ class Hold:
         if last:  # released by the caller: the release may go out in its thread
             _finalize_hold(self.channel, self.lease_id, self.chunks, inline=True)
 
-    def __del__(self) -> None:
-        # Collected with items unreleased (possibly inside the garbage collector): the flusher
-        # thread sends the release, nothing blocks here.
+    def abandon(self) -> None:
+        """Give the peer's lease back now, items unreleased or not, as the safety net does (no stream
+        synchronisation; the flusher thread sends the release, nothing blocks here): for an owner that
+        is collected while views of the items outlive it. As ``__del__``: collected with items unreleased
+        (possibly inside the garbage collector)."""
         if self.alive:
             self.alive = False
             _finalize_hold(self.channel, self.lease_id, self.chunks)
+
+    __del__ = abandon
 
 
 

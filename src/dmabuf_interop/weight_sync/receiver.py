@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -31,10 +32,16 @@ class ReceivedVersion:
 
     A tensor is valid until released. When the trainer could not keep the whole version in its pool
     (``keep`` false), batch ``i-1`` is given back as batch ``i`` is taken, so hold on to nothing of a
-    batch past the next one.
+    batch past the next one. A state dict sent again in the same blocks comes as the tensor objects of
+    the last version read whole (Note [kept views]): change none in place (``t.unsqueeze_()``,
+    ``t.data = ...``), or the next version comes with that change.
 
     With a ``prefetch`` worker (``WeightReceiver(prefetch=True)``), batch ``i+1`` is received and made
     into tensors in that thread while the caller uses batch ``i``: see Note [prefetch].
+
+    A version collected unreleased (``for name, t in rx.receive(): ...``) is given back then, as a safety
+    net (without a stream synchronisation: release it yourself once the reads queued on its streams are
+    done).
     """
 
     def __init__(self, receiver: "WeightReceiver", timeout: float | None, streams: list[Any],
@@ -44,7 +51,7 @@ class ReceivedVersion:
         self._streams = streams
         self._prefetch = prefetch
         self._ahead: Future[Batch] | None = None  # the next batch, being received by the prefetch worker
-        self._held: list[Batch] = []
+        self._held: list[Batch] = []  # changed in place: the safety net below holds this list
         self.version: int | None = None
         self.batches_total: int | None = None
         self.applied = 0  # batches handed out so far
@@ -52,6 +59,9 @@ class ReceivedVersion:
         self._first: dict[str, Any] | None = None
         self._done = False
         self._fresh: dict[str, tuple[Any, str | None, Any, Any]] = {}  # this version's views (Note [kept views])
+        # The receiver's table keeps the views made for this version, and each view its item (and so the
+        # item's hold): collected unreleased, the channel's own safety net would never give the version back.
+        weakref.finalize(self, _abandon, self._held).atexit = False
 
     def _recv(self, index: int) -> Batch:
         torch = _torch()
@@ -176,6 +186,7 @@ class ReceivedVersion:
             raise
         self._done = True
         self._rx._views = self._fresh
+        self._rx.version, self._rx.partial = self.version, None
 
     # Note [prefetch]
     # ~~~~~~~~~~~~~~~
@@ -252,7 +263,8 @@ class ReceivedVersion:
         self._give_back_held()
 
     def _give_back_held(self) -> None:
-        held, self._held = self._held, []
+        held = self._held[:]
+        self._held.clear()
         rec = []
         for b in held:
             b.items = []
@@ -265,6 +277,16 @@ class ReceivedVersion:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _abandon(held: list[Batch]) -> None:
+    """A :class:`ReceivedVersion` collected with batches held: give them back as the channel's safety net
+    does (its views live on in the receiver's table, and hold the items)."""
+    for b in held:
+        b.items = []
+        for hold in {r._hold for r in b.received.values()}:
+            hold.abandon()
+    held.clear()
 
 
 class WeightReceiver:
@@ -338,7 +360,6 @@ class WeightReceiver:
                               f"applied): {exc}")
                     raise IncompleteVersionError(rv.version or 0, rv.applied - 1, rv.batches_total or 0,
                                                  reason) from exc
-        self.version, self.partial = rv.version, None
         return rv.version  # type: ignore[return-value]
 
     def load_into(self, module: Any, *, timeout: float | None = None, strict: bool = True) -> int:
