@@ -220,7 +220,9 @@ def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
         pub.accept(timeout=30)
         for bad, match in (({"a": [1, 2]}, "torch.Tensor"), ({"a": torch.zeros(2, dtype=torch.uint16)}, "dtype"),
                            ({}, "empty"), ({"a": torch.zeros(2), "b": torch.zeros(2), "a ": 1}, "torch.Tensor"),
-                           ({n: torch.zeros(600 << 10, dtype=torch.uint8) for n in "xy"}, "twice its size")):
+                           ({n: torch.zeros(600 << 10, dtype=torch.uint8) for n in "xy"}, "twice its size"),
+                           ({"a": torch.zeros(2), "huge": torch.zeros(2 << 20, dtype=torch.uint8)},
+                            "huge .* needs a pool of at least twice its size")):
             with pytest.raises(InvalidArgumentError, match=match):
                 pub.publish(bad, 1)
         with pytest.raises(InvalidArgumentError, match="version"):

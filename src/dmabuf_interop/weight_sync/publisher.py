@@ -300,6 +300,9 @@ class WeightPublisher:
             return False  # it did not fit before: trying again each version would cost as much as it saves
         self._kept, self._kept_key = {}, None
         self._bucket, self._bucket_key = None, None
+        if any(it.staged and it.nbytes > self.pool.max_bytes for it in items):
+            self._bucket_key = key  # one never fits: the bucket path says which, and what the pool would need
+            return False
         kept: dict[str, Any] = {}
         try:
             for it in items:
