@@ -143,7 +143,9 @@ class ReceivedVersion:
     # it was defined over (a repeat over one retired since is refused). The view keeps its chunk mapped
     # (ChunkRef) while kept. What is kept is what the last version used, no more: the table is replaced
     # when a version ends whole, and dropped with the receiver. The same tensor object then reaches the
-    # loader every step; it is valid, as any tensor handed out, until its version is released.
+    # loader every step; it is valid, as any tensor handed out, until its version is released. A kept view
+    # holds the item it was made for (its DLPack owner), so the channel's safety net would never give back
+    # a version collected unreleased whose views were made for it and kept: its own finalizer does (_abandon).
 
     def batches(self) -> Iterator[Batch]:
         """Each batch of the version as it arrives.
