@@ -25,7 +25,7 @@ from ._ring_region import LEASE_LIMIT, RingSlot
 from .lease import Lease, next_lease_id
 from .pool import Block
 from .sending import Memo, Placed, check_meta, prepare, stream_handle, wire_descs
-from .wire import encode_repeat, shut_down
+from .wire import encode_repeat
 
 __all__ = ["Lending"]
 
@@ -202,7 +202,5 @@ class Lending:
         try:
             _ring_releases(self._conn)
         except ProtocolError as exc:
-            with self._state:
-                self._proto.fail(exc)
-            shut_down(self._sock)
+            self._waits._fail(exc)
             raise self._link.ended() from exc

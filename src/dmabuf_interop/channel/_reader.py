@@ -160,7 +160,7 @@ class ReleaseWaits:
                 conn.release_waiters += 1
                 if lease is not None:
                     lease._waiters += 1
-                tokens = self._take_locked(True)
+                tokens = self._take_locked()
         except ProtocolError as exc:
             self._fail(exc)
         for token in tokens:
@@ -188,24 +188,19 @@ class ReleaseWaits:
     def take(self) -> None:
         """Take the releases the peer has published, if any (a poll: ``Lease.done``)."""
         conn = self.conn
-        if conn.owner != _forks.pid:
-            return  # inherited through fork(): the parent's connection
-        tokens: Any = ()
+        if conn.owner != _forks.pid or not conn.rings.attached:
+            return  # inherited through fork() (the parent's connection), or no peer ring yet
         try:
-            with conn.state:
-                tokens = self._take_locked(False)
+            _ring_releases(conn)
         except ProtocolError as exc:
             self._fail(exc)
-        for token in tokens:
-            token._complete("released")
 
-    def _take_locked(self, waiting: bool) -> Any:
+    def _take_locked(self) -> Any:
+        """(Under ``state``, for a waiter.) 1 over a 2, then the seq_cst load of the peer's ``rel_tail`` (the
+        Dekker pair), then the releases published: the leases to complete."""
         conn = self.conn
         rings = conn.rings
-        if conn.proto.ended or not rings.attached:
-            return ()
-        # (Waiting: 1 over a 2, then the seq_cst load of the peer's rel_tail: the Dekker pair.)
-        if waiting and not rings.want_releases():
+        if conn.proto.ended or not rings.attached or not rings.want_releases():
             return ()
         ids = rings.take_releases()
         return conn.proto.peer_released(ids).tokens if ids else ()
