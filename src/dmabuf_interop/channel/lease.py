@@ -87,13 +87,12 @@ class Lease:
         if not self._out.locked():
             return
         waits = self._waits
-        if waits is not None and waits.begin(self):  # a wait for a release: the reader must be woken for it
-            try:
-                got = self._out.acquire(timeout=-1 if limit is None else limit)
-            finally:
-                waits.end(self)
-        else:
+        counted = waits is not None and waits.begin(self)  # a wait for a release: the reader must be woken for it
+        try:
             got = self._out.acquire(timeout=-1 if limit is None else limit)
+        finally:
+            if counted:
+                waits.end(self)
         if not got:
             raise WaitTimeoutError(f"lease {self.id} still held by the peer after {timeout} s")
         self._out.release()
