@@ -314,14 +314,26 @@ class WeightPublisher:
         self._kept, self._kept_key = kept, key
         return True
 
-    def _buckets(self, torch: Any, half: int, floor: int) -> tuple[list[Any], int] | None:
+    def _buckets(self, torch: Any, items: list[_Item]) -> tuple[list[Any], int]:
         """The bucket staging: two blocks of ``size`` bytes, kept while they hold the largest item, that take
         the batches in turn (batch ``b`` in block ``b % 2``, once the engines gave batch ``b - 2`` back), with ``size``
-        the largest of ``half``, its halvings and ``floor`` (the largest staged item) for which the pool has
-        them now: one block of twice the size cut in two, or two blocks. ``None``: not even ``floor`` fits.
+        the largest of half the room (:meth:`_room`), its halvings and ``floor`` (the largest staged item) for which
+        the pool has them now: one block of twice the size cut in two, or two blocks. Returns the two and ``size``.
         Two blocks for the whole version, not one per item: items of a batch spread over several chunks
         could leave no hole for the next batch's largest item in any of them, though half the pool was
-        free (ws-8b's 1.2 GB lm_head waited for room that never came in a 4 GiB pool)."""
+        free (ws-8b's 1.2 GB lm_head waited for room that never came in a 4 GiB pool).
+
+        Raises:
+            InvalidArgumentError: the largest staged item is larger than half the room (it could never go).
+            PoolExhaustedError: not even two blocks of ``floor`` fit now.
+        """
+        half = self._room()
+        big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
+        floor = 256 if big is None else _aligned(big.nbytes)
+        if big is not None and floor > half:  # it could never go: nothing is sent
+            raise InvalidArgumentError(
+                f"{big.name} ({big.nbytes} bytes) needs a pool of at least twice its size: "
+                f"{half * 2} bytes are free of max_bytes {self.pool.max_bytes}")
         if self._bucket is not None and int(self._bucket[0].numel()) >= floor:
             return self._bucket, int(self._bucket[0].numel())  # kept: no new chunk, no new export
         self._bucket = None  # (the only reference: its blocks are free for the tries below)
@@ -332,9 +344,12 @@ class WeightPublisher:
                 self._bucket = halves
                 return halves, size
             if size == floor:
-                return None
+                break
             size = max(floor, self._rounded(size // 2))
-        return None
+        raise PoolExhaustedError(
+            f"no room to stage a bucketed version: it needs two free blocks of at least {floor} bytes "
+            f"(its largest staged tensor), and the pool has none now ({self.pool.used_bytes} of "
+            f"max_bytes {self.pool.max_bytes} in use)")
 
     def _two_blocks(self, torch: Any, size: int) -> list[Any] | None:
         try:
@@ -402,20 +417,7 @@ class WeightPublisher:
             keep = (last is not None and last.batches is not None) or self._keep(torch, items)
             half = bucket = None
             if not keep:
-                half = self._room()
-                big = max((i for i in items if i.staged), key=lambda i: i.nbytes, default=None)
-                floor = 256 if big is None else _aligned(big.nbytes)
-                if big is not None and floor > half:  # it could never go: nothing is sent
-                    raise InvalidArgumentError(
-                        f"{big.name} ({big.nbytes} bytes) needs a pool of at least twice its size: "
-                        f"{half * 2} bytes are free of max_bytes {self.pool.max_bytes}")
-                got = self._buckets(torch, half, floor)
-                if got is None:
-                    raise PoolExhaustedError(
-                        f"no room to stage a bucketed version: it needs two free blocks of at least {floor} bytes "
-                        f"(its largest staged tensor), and the pool has none now ({self.pool.used_bytes} of "
-                        f"max_bytes {self.pool.max_bytes} in use)")
-                bucket, half = got
+                bucket, half = self._buckets(torch, items)
             batches = last.batches if last is not None and last.batches is not None else self._plan(items, half)
             sent_leases: list[list[Any]] = []  # per batch, one lease per engine
             self._last = last or self._last
