@@ -721,22 +721,38 @@ def test_an_engine_killed_mid_run_is_dropped_and_the_others_go_on(tmp_path):
     assert not survivor.errors and _equal(survivor.got[2], state)
 
 
+class _OneTensorModel:
+    """An engine's model of one 1000-element tensor, whose ``load_weights`` copies into it."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(1000)
+
+    def load_weights(self, items):
+        for _, t in items:
+            self.w.copy_(t)
+
+
+def _vllm_trainer(tmp_path, client, weights: dict, timeout: float):
+    """The vLLM backend's trainer over a 1 MiB host pool, sending ``weights`` (as they are at each round)
+    through ``client``, a vLLM weight-sync client."""
+    from dmabuf_interop.integrations.vllm import TrainerEngine, TrainerOptions
+
+    class Source:
+        def iter_full(self):
+            return iter(weights.items())
+
+    options = TrainerOptions(address=str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=timeout)
+    return TrainerEngine.trainer_init(options, client=client, source=Source())
+
+
 def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp_path):
     """``start_weight_update`` outlasts the trainer's timeout once: that round fails, and its update_weights
     is never sent; the next rounds go through at once on a new control-plane thread."""
     import time
 
-    from dmabuf_interop.integrations.vllm import InitInfo, TrainerEngine, TrainerOptions, UpdateInfo, WorkerEngine
+    from dmabuf_interop.integrations.vllm import InitInfo, UpdateInfo, WorkerEngine
 
-    class Model:
-        def __init__(self) -> None:
-            self.w = torch.zeros(1000)
-
-        def load_weights(self, items):
-            for _, t in items:
-                self.w.copy_(t)
-
-    model = Model()
+    model = _OneTensorModel()
     worker = WorkerEngine(torch.device("cpu"), model)
     updates: list[int] = []
 
@@ -759,13 +775,7 @@ def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp
             pass
 
     weights = {"w": torch.zeros(1000)}
-
-    class Source:
-        def iter_full(self):
-            return iter(weights.items())
-
-    options = TrainerOptions(address=str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=1.0)
-    engine = TrainerEngine.trainer_init(options, client=Client(), source=Source())
+    engine = _vllm_trainer(tmp_path, Client(), weights, timeout=1.0)
     try:
         from dmabuf_interop.errors import WaitTimeoutError
 
@@ -787,17 +797,9 @@ def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells
     """A ``start_weight_update`` that fails (the engine refuses) is raised and nothing is sent, so the next
     round arrives as it is; a state dict refused after a start that went through is told to the engine (its
     ``update_weights`` fails), and the next round arrives too."""
-    from dmabuf_interop.integrations.vllm import InitInfo, TrainerEngine, TrainerOptions, UpdateInfo, WorkerEngine
+    from dmabuf_interop.integrations.vllm import InitInfo, UpdateInfo, WorkerEngine
 
-    class Model:
-        def __init__(self) -> None:
-            self.w = torch.zeros(1000)
-
-        def load_weights(self, items):
-            for _, t in items:
-                self.w.copy_(t)
-
-    model = Model()
+    model = _OneTensorModel()
     worker = WorkerEngine(torch.device("cpu"), model)
     updates: list[tuple[int, str]] = []
 
@@ -824,13 +826,7 @@ def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells
             pass
 
     weights: dict[str, object] = {"w": torch.zeros(1000)}
-
-    class Source:
-        def iter_full(self):
-            return iter(weights.items())
-
-    options = TrainerOptions(address=str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=10.0)
-    engine = TrainerEngine.trainer_init(options, client=Client(), source=Source())
+    engine = _vllm_trainer(tmp_path, Client(), weights, timeout=10.0)
     try:
         with pytest.raises(RuntimeError, match="busy"):
             engine.send_weights()
