@@ -732,6 +732,23 @@ class _OneTensorModel:
             self.w.copy_(t)
 
 
+class _InProcessClient:
+    """vLLM's weight-sync client calling a worker engine in this process; a test's subclass says what
+    ``start_weight_update`` and ``update_weights`` do (``starts`` counts the former's calls)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.starts = 0
+
+    def init_weight_transfer_engine(self, info):
+        from dmabuf_interop.integrations.vllm import InitInfo
+
+        self.worker.init_transfer_engine(InitInfo(**info))
+
+    def finish_weight_update(self):
+        pass
+
+
 def _vllm_trainer(tmp_path, client, weights: dict, timeout: float):
     """The vLLM backend's trainer over a 1 MiB host pool, sending ``weights`` (as they are at each round)
     through ``client``, a vLLM weight-sync client."""
@@ -750,32 +767,24 @@ def test_the_vllm_trainer_goes_on_after_a_start_weight_update_that_timed_out(tmp
     is never sent; the next rounds go through at once on a new control-plane thread."""
     import time
 
-    from dmabuf_interop.integrations.vllm import InitInfo, UpdateInfo, WorkerEngine
+    from dmabuf_interop.integrations.vllm import UpdateInfo, WorkerEngine
 
     model = _OneTensorModel()
     worker = WorkerEngine(torch.device("cpu"), model)
     updates: list[int] = []
 
-    class Client:
-        starts = 0
-
-        def init_weight_transfer_engine(self, info):
-            worker.init_transfer_engine(InitInfo(**info))
-
+    class Client(_InProcessClient):
         def start_weight_update(self):
-            Client.starts += 1
-            if Client.starts == 1:
+            self.starts += 1
+            if self.starts == 1:
                 time.sleep(2.0)
 
         def update_weights(self, info):
             updates.append(info["version"])
             worker.receive_weights(UpdateInfo(**info))
 
-        def finish_weight_update(self):
-            pass
-
     weights = {"w": torch.zeros(1000)}
-    engine = _vllm_trainer(tmp_path, Client(), weights, timeout=1.0)
+    engine = _vllm_trainer(tmp_path, Client(worker), weights, timeout=1.0)
     try:
         from dmabuf_interop.errors import WaitTimeoutError
 
@@ -797,21 +806,16 @@ def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells
     """A ``start_weight_update`` that fails (the engine refuses) is raised and nothing is sent, so the next
     round arrives as it is; a state dict refused after a start that went through is told to the engine (its
     ``update_weights`` fails), and the next round arrives too."""
-    from dmabuf_interop.integrations.vllm import InitInfo, UpdateInfo, WorkerEngine
+    from dmabuf_interop.integrations.vllm import UpdateInfo, WorkerEngine
 
     model = _OneTensorModel()
     worker = WorkerEngine(torch.device("cpu"), model)
     updates: list[tuple[int, str]] = []
 
-    class Client:
-        starts = 0
-
-        def init_weight_transfer_engine(self, info):
-            worker.init_transfer_engine(InitInfo(**info))
-
+    class Client(_InProcessClient):
         def start_weight_update(self):
-            Client.starts += 1
-            if Client.starts == 1:
+            self.starts += 1
+            if self.starts == 1:
                 raise RuntimeError("the engine is busy")
 
         def update_weights(self, info):
@@ -822,11 +826,8 @@ def test_the_vllm_trainer_sends_nothing_when_start_weight_update_fails_and_tells
                 updates.append((info["version"], type(exc).__name__))
                 raise
 
-        def finish_weight_update(self):
-            pass
-
     weights: dict[str, object] = {"w": torch.zeros(1000)}
-    engine = _vllm_trainer(tmp_path, Client(), weights, timeout=10.0)
+    engine = _vllm_trainer(tmp_path, Client(worker), weights, timeout=10.0)
     try:
         with pytest.raises(RuntimeError, match="busy"):
             engine.send_weights()
