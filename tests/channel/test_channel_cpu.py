@@ -142,6 +142,28 @@ def test_peer_credentials_refused_on_both_sides_and_listener_keeps_serving(addr:
         get().close()
 
 
+@pytest.mark.parametrize("kw, text", [({"allow_uids": "0"}, "allow_uids must be an iterable"),
+                                      ({"allow_uids": 1000}, "allow_uids must be an iterable"),
+                                      ({"allow_uids": ["1000"]}, "each of allow_uids must be an integer"),
+                                      ({"allow_gids": [-1]}, "allow_gids must be ids >= 0"),
+                                      ({"pool": 5}, "pool must be a SharedPool")])
+def test_listen_and_connect_refuse_bad_uid_sets_and_pools_at_the_call(addr: str, kw: dict, text: str) -> None:
+    # A string of digits was taken as a set of characters (every peer refused, the refusal naming
+    # ['0'] as if it were uid 0); a pool that is not a SharedPool failed every handshake in the listener.
+    before = open_fds()
+    with pytest.raises(InvalidArgumentError, match=text):
+        listen(addr, **kw)
+    assert not os.path.exists(addr) and open_fds() == before
+    with listen(addr) as listener:
+        get = in_thread(lambda: listener.accept(10))
+        with pytest.raises(InvalidArgumentError, match=text):
+            connect(addr, timeout=10, **kw)
+        with connect(addr, timeout=10, allow_uids=[os.geteuid()]) as cons, get() as prod:  # still serving
+            prod.send(np.arange(3))
+            with cons.recv(10) as r:
+                assert r.as_array().tolist() == [0, 1, 2]
+
+
 @pytest.mark.parametrize("override, text", [({"protocol": 99}, "protocol version mismatch"),
                                             ({"boot_id": "00000000-another-host"}, "peer is on another host")])
 def test_handshake_mismatch_refused(addr: str, override: dict, text: str) -> None:
