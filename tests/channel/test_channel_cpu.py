@@ -299,6 +299,20 @@ def test_pool_exhaustion_waits_then_raises(addr: str) -> None:
             x.close()
 
 
+@pytest.mark.parametrize("shape, dtype, text", [((2,), "float33", "'float33' is neither a NumPy dtype"),
+                                                ((2,), 5, "5 is neither a NumPy dtype"),
+                                                (None, "float32", "shape must be non-negative ints, got None"),
+                                                (2.0, "float32", "shape must be non-negative ints, got 2.0")])
+def test_pool_empty_refuses_what_is_not_a_dtype_or_a_shape_with_invalid_argument(shape, dtype, text) -> None:
+    # NumPy's own TypeError ("data type 'float33' not understood", "'NoneType' object is not iterable")
+    # came out of pool.empty, whose documented error is InvalidArgumentError.
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
+        with pytest.raises(InvalidArgumentError, match=text):
+            pool.empty(shape, dtype)
+        assert pool.used_bytes == 0  # refused before a block was taken
+        assert pool.empty(np.int64(3), "float32").shape == (3,)  # a NumPy integer is a 1-D shape, as an int
+
+
 # --- peers dying --------------------------------------------------------------------------
 
 def test_find_among_twenty_thousand_live_blocks() -> None:
