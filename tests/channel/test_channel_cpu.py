@@ -1265,6 +1265,28 @@ def test_misuse_is_refused_with_typed_errors(addr: str, pool: SharedPool) -> Non
         x.close()
 
 
+def test_refusals_of_what_cannot_travel_name_the_dict_and_the_batch_item(addr: str, pool: SharedPool) -> None:
+    # A dict given to send, and a None or nested dict inside a state dict, were refused as
+    # "dtype object cannot travel", naming neither the mistake nor the item.
+    listener, prod, cons = pair(addr, pool)
+    with pytest.raises(InvalidArgumentError, match="cannot send a dict as one array: send_many"):
+        prod.send({"w": np.arange(3)})
+    with pytest.raises(InvalidArgumentError, match=r"^item 'b': dtype object cannot travel"):
+        prod.send_many({"a": np.arange(3), "b": None})
+    with pytest.raises(InvalidArgumentError, match=r"^item 'b': cannot send a dict"):
+        prod.send_many({"a": np.arange(3), "b": {"c": np.arange(2)}})
+    with pytest.raises(InvalidArgumentError, match=r"^item 1: dtype <U1 cannot travel"):
+        prod.send_many([np.arange(3), np.array(["x"])])
+    assert pool.used_bytes == 0  # nothing was placed, nothing sent: the channel goes on
+    lease = prod.send_many({"a": np.arange(3)})
+    batch = cons.recv_many(5)
+    assert batch["a"].as_array().tolist() == [0, 1, 2]
+    release_all(batch)
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.errors import SyscallError
 
