@@ -254,6 +254,10 @@ class SharedPool:
         larger one; otherwise waits up to ``timeout`` seconds (``None``: forever) for
         blocks to come back.
 
+        A raw block is freed only when a holder it was given to lets go (the array of :meth:`empty`, a
+        lease); one taken here and dropped stays allocated, and its chunk cannot be trimmed, until
+        :meth:`close`. For arrays to send, use :meth:`empty`, whose block is freed with its array.
+
         Raises:
             InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``; ``timeout``
                 is not a number >= 0 or ``None`` (``math.inf`` waits forever, as ``None`` does).
