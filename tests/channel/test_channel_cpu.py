@@ -1358,6 +1358,15 @@ def test_sending_a_cuda_array_interface_object_without_a_gpu_raises_a_typed_erro
             c.close()
 
 
+def test_a_bad_handshake_timeout_is_refused_by_its_own_name(addr: str) -> None:
+    # It was refused as "timeout must be >= 0 seconds", a name listen's caller never gave.
+    for bad, text in ((-1, "handshake_timeout must be >= 0 seconds"),
+                      ("10", "handshake_timeout must be a number of seconds")):
+        with pytest.raises(InvalidArgumentError, match=text):
+            listen(addr, handshake_timeout=bad)
+        assert not os.path.exists(addr)
+
+
 def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_with_typed_errors(addr: str) -> None:
     import math
 

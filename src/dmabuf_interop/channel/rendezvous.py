@@ -384,7 +384,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
 
         return listen_remote(address, pool=pool, device=device, backlog=backlog,  # type: ignore[return-value]
                              handshake_timeout=handshake_timeout, **remote)
-    check_timeout(handshake_timeout)
+    check_timeout(handshake_timeout, "handshake_timeout")
     addr, abstract = _sockaddr(address)
     shown = os.fspath(address)
     if abstract:
