@@ -1,4 +1,4 @@
-"""Argument checks shared by every module: byte counts, offsets, fd numbers, rounding.
+"""Argument checks shared by every module: byte counts, offsets, fd numbers, uid/gid sets, rounding.
 
 One helper each, one wording each, so that every public call rejects the same
 bad input the same way. Integer-like values (NumPy integers, anything with
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import mmap
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import InvalidArgumentError
 
-__all__ = ["as_int", "byte_count", "byte_offset", "fd_number", "round_up", "page_size"]
+__all__ = ["as_int", "byte_count", "byte_offset", "fd_number", "id_set", "round_up", "page_size"]
 
 
 def as_int(value: Any, name: str) -> int:
@@ -62,6 +62,26 @@ def fd_number(value: Any) -> int:
     if value < 0:
         raise InvalidArgumentError(f"fd {value} is not a valid file descriptor (negative)")
     return value
+
+
+def id_set(value: Iterable[int] | None, name: str) -> frozenset[int] | None:
+    """``allow_uids`` / ``allow_gids``: ``None``, or an iterable of non-negative integer ids, as a frozenset.
+
+    A single id or a string (``allow_uids=1000``, ``allow_uids="1000"``) is refused: a string's
+    characters would never match the kernel's numeric ``SO_PEERCRED`` ids, so every peer would be refused.
+
+    Raises:
+        InvalidArgumentError: not an iterable of integers, or an id < 0.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be an iterable of integer ids or None, got "
+                                   f"{type(value).__name__} {value!r}")
+    ids = frozenset(as_int(v, f"each of {name}") for v in value)
+    if any(i < 0 for i in ids):
+        raise InvalidArgumentError(f"{name} must be ids >= 0, got {sorted(ids)}")
+    return ids
 
 
 def round_up(x: int, alignment: int) -> int:

@@ -15,9 +15,10 @@ __all__ = ["check_timeout", "deadline_after", "remaining"]
 LONGEST = threading.TIMEOUT_MAX
 
 
-def check_timeout(timeout: float | None) -> float | None:
+def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     """A caller's timeout in seconds, checked: ``None`` (wait forever) for ``None`` and for any
-    timeout of :data:`LONGEST` or more (``math.inf``), else the number itself.
+    timeout of :data:`LONGEST` or more (``math.inf``), else the number itself. ``name``: the
+    argument's name in the error (``"handshake_timeout"``).
 
     Raises:
         InvalidArgumentError: not a number, negative, or NaN.
@@ -28,10 +29,10 @@ def check_timeout(timeout: float | None) -> float | None:
     # times per channel message). type(), not isinstance: a bool goes on to be refused. (NumPy scalars are Real.)
     t = type(timeout)
     if not (t is float or t is int) and (t is bool or not isinstance(timeout, numbers.Real)):
-        raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+        raise InvalidArgumentError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}")
     timeout = float(timeout)
     if not timeout >= 0:  # also refuses NaN, which would never expire
-        raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
+        raise InvalidArgumentError(f"{name} must be >= 0 seconds, got {timeout}")
     return None if timeout >= LONGEST else timeout
 
 

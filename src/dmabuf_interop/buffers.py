@@ -129,13 +129,21 @@ def array_shape(nbytes: int, dtype: Any, shape: Sequence[int] | None) -> tuple[A
     """``(numpy dtype, shape, bytes needed)`` of a C-contiguous view over ``nbytes`` bytes.
 
     Raises:
-        InvalidArgumentError: a negative or non-integer extent, or a shape needing more than ``nbytes``.
+        InvalidArgumentError: not a NumPy dtype, one of Python objects or of no bytes (``"S0"``); a shape
+            that is not an int or a sequence of them, a negative extent, or a shape needing more than ``nbytes``.
     """
     import numpy as np
 
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # NumPy's "data type 'float33' not understood"
+        raise InvalidArgumentError(f"dtype {dtype!r} is not a NumPy dtype") from None
+    if dt.hasobject or dt.itemsize == 0:  # no view over raw memory: Python objects, or nothing per element
+        raise InvalidArgumentError(f"dtype {dt} cannot view raw memory (it holds Python objects or no bytes)")
     if shape is None:
         shape = (nbytes // dt.itemsize,)
+    elif isinstance(shape, (int, np.integer)):  # one dimension
+        shape = (shape,)
     dims = tuple(as_int(s, "shape extent") for s in shape)
     if any(s < 0 for s in dims):
         raise InvalidArgumentError(f"shape {dims} has a negative extent")
@@ -329,14 +337,15 @@ class ImportedBuffer(Owner):
 
         Args:
             dtype: a NumPy dtype (``"int32"``, ``numpy.float32``...).
-            shape: element counts; default: as many elements as fit in :attr:`size`.
+            shape: element counts (an int for one dimension); default: as many elements as fit in
+                :attr:`size`.
 
         Returns:
             a ``cuda.core.utils.StridedMemoryView`` (DLPack producer) over the mapping.
 
         Raises:
-            InvalidArgumentError: the buffer is closed, a negative extent, or the shape
-                needs more than :attr:`size` bytes.
+            InvalidArgumentError: the buffer is closed, a dtype that is not NumPy's or cannot view raw
+                memory (``object``, ``"S0"``), a negative extent, or the shape needs more than :attr:`size` bytes.
         """
         from cuda.core.utils import StridedMemoryView
 

@@ -142,6 +142,28 @@ def test_peer_credentials_refused_on_both_sides_and_listener_keeps_serving(addr:
         get().close()
 
 
+@pytest.mark.parametrize("kw, text", [({"allow_uids": "0"}, "allow_uids must be an iterable"),
+                                      ({"allow_uids": 1000}, "allow_uids must be an iterable"),
+                                      ({"allow_uids": ["1000"]}, "each of allow_uids must be an integer"),
+                                      ({"allow_gids": [-1]}, "allow_gids must be ids >= 0"),
+                                      ({"pool": 5}, "pool must be a SharedPool")])
+def test_listen_and_connect_refuse_bad_uid_sets_and_pools_at_the_call(addr: str, kw: dict, text: str) -> None:
+    # A string of digits was taken as a set of characters (every peer refused, the refusal naming
+    # ['0'] as if it were uid 0); a pool that is not a SharedPool failed every handshake in the listener.
+    before = open_fds()
+    with pytest.raises(InvalidArgumentError, match=text):
+        listen(addr, **kw)
+    assert not os.path.exists(addr) and open_fds() == before
+    with listen(addr) as listener:
+        get = in_thread(lambda: listener.accept(10))
+        with pytest.raises(InvalidArgumentError, match=text):
+            connect(addr, timeout=10, **kw)
+        with connect(addr, timeout=10, allow_uids=[os.geteuid()]) as cons, get() as prod:  # still serving
+            prod.send(np.arange(3))
+            with cons.recv(10) as r:
+                assert r.as_array().tolist() == [0, 1, 2]
+
+
 @pytest.mark.parametrize("override, text", [({"protocol": 99}, "protocol version mismatch"),
                                             ({"boot_id": "00000000-another-host"}, "peer is on another host")])
 def test_handshake_mismatch_refused(addr: str, override: dict, text: str) -> None:
@@ -275,6 +297,20 @@ def test_pool_exhaustion_waits_then_raises(addr: str) -> None:
             small.alloc(1 << 17)
         for x in (cons, prod, listener):
             x.close()
+
+
+@pytest.mark.parametrize("shape, dtype, text", [((2,), "float33", "'float33' is neither a NumPy dtype"),
+                                                ((2,), 5, "5 is neither a NumPy dtype"),
+                                                (None, "float32", "shape must be non-negative ints, got None"),
+                                                (2.0, "float32", "shape must be non-negative ints, got 2.0")])
+def test_pool_empty_refuses_what_is_not_a_dtype_or_a_shape_with_invalid_argument(shape, dtype, text) -> None:
+    # NumPy's own TypeError ("data type 'float33' not understood", "'NoneType' object is not iterable")
+    # came out of pool.empty, whose documented error is InvalidArgumentError.
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
+        with pytest.raises(InvalidArgumentError, match=text):
+            pool.empty(shape, dtype)
+        assert pool.used_bytes == 0  # refused before a block was taken
+        assert pool.empty(np.int64(3), "float32").shape == (3,)  # a NumPy integer is a 1-D shape, as an int
 
 
 # --- peers dying --------------------------------------------------------------------------
@@ -1229,6 +1265,28 @@ def test_misuse_is_refused_with_typed_errors(addr: str, pool: SharedPool) -> Non
         x.close()
 
 
+def test_refusals_of_what_cannot_travel_name_the_dict_and_the_batch_item(addr: str, pool: SharedPool) -> None:
+    # A dict given to send, and a None or nested dict inside a state dict, were refused as
+    # "dtype object cannot travel", naming neither the mistake nor the item.
+    listener, prod, cons = pair(addr, pool)
+    with pytest.raises(InvalidArgumentError, match="cannot send a dict as one array: send_many"):
+        prod.send({"w": np.arange(3)})
+    with pytest.raises(InvalidArgumentError, match=r"^item 'b': dtype object cannot travel"):
+        prod.send_many({"a": np.arange(3), "b": None})
+    with pytest.raises(InvalidArgumentError, match=r"^item 'b': cannot send a dict"):
+        prod.send_many({"a": np.arange(3), "b": {"c": np.arange(2)}})
+    with pytest.raises(InvalidArgumentError, match=r"^item 1: dtype <U1 cannot travel"):
+        prod.send_many([np.arange(3), np.array(["x"])])
+    assert pool.used_bytes == 0  # nothing was placed, nothing sent: the channel goes on
+    lease = prod.send_many({"a": np.arange(3)})
+    batch = cons.recv_many(5)
+    assert batch["a"].as_array().tolist() == [0, 1, 2]
+    release_all(batch)
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_connect_can_wait_for_a_listener_that_starts_later(addr: str, pool: SharedPool) -> None:
     from dmabuf_interop.errors import SyscallError
 
@@ -1298,6 +1356,15 @@ def test_sending_a_cuda_array_interface_object_without_a_gpu_raises_a_typed_erro
     finally:
         for c in (prod, cons, listener):
             c.close()
+
+
+def test_a_bad_handshake_timeout_is_refused_by_its_own_name(addr: str) -> None:
+    # It was refused as "timeout must be >= 0 seconds", a name listen's caller never gave.
+    for bad, text in ((-1, "handshake_timeout must be >= 0 seconds"),
+                      ("10", "handshake_timeout must be a number of seconds")):
+        with pytest.raises(InvalidArgumentError, match=text):
+            listen(addr, handshake_timeout=bad)
+        assert not os.path.exists(addr)
 
 
 def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_with_typed_errors(addr: str) -> None:

@@ -37,7 +37,18 @@ def finish(p: subprocess.Popen, timeout: float = 120) -> str:
 
 
 def test_the_examples_are_marked() -> None:
-    assert set(examples()) == {"serve-producer", "serve-consumer", "torch-producer", "torch-consumer"}
+    assert set(examples()) == {"api-producer", "api-consumer", "serve-producer", "serve-consumer", "torch-producer",
+                               "torch-consumer"}
+
+
+def test_the_api_example_over_a_path(tmp_path: Path) -> None:
+    blocks = examples()
+    unique = str(tmp_path / "weights.sock")
+    consumer = start(blocks["api-consumer"], "/tmp/weights.sock", unique)  # first: it waits for the producer
+    producer = start(blocks["api-producer"], "/tmp/weights.sock", unique)
+    assert finish(consumer).strip() == "{'step': 7} (1024, 1024) 1048576.0"
+    finish(producer)  # its lease.wait returned: the consumer released the block
+    assert not os.path.exists(unique)  # the listener unlinked its socket file
 
 
 def test_serving_several_consumers_at_once() -> None:

@@ -15,6 +15,8 @@ import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from dmabuf_interop.channel.wire import recv_frame, send_frame
 from dmabuf_interop.errors import (ForkedResourceError, InvalidArgumentError, PeerClosedError, ProtocolError,
                                    WaitTimeoutError)
 from dmabuf_interop.fd import open_fds
+from tests.helpers import env_with_src
 from tests.helpers.bounded import bounded, child, error, reap, result
 from tests.helpers.channels import connect_in_thread, hand_written_listener
 
@@ -850,6 +853,47 @@ def test_a_reader_asleep_on_rings_unmapped_under_it_ends_without_a_traceback(tmp
     finally:
         threading.excepthook = old
     assert errors == []
+
+
+_HELD_AT_EXIT = """
+import sys, threading
+import numpy as np
+from dmabuf_interop.channel import SharedPool, connect, listen
+
+pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=1 << 20)
+lst = listen(sys.argv[1], pool=pool)
+box = {}
+t = threading.Thread(target=lambda: box.setdefault("c", connect(sys.argv[1], timeout=10)))
+t.start()
+prod = lst.accept(10)
+t.join()
+assert prod.ring and box["c"].ring
+
+
+def use():
+    prod.send(np.arange(3))
+    r = box["c"].recv(10)
+    view = r.as_tensor() if sys.argv[2] == "tensor" else r.as_array()
+    raise RuntimeError("the script's own error")
+
+
+use()
+"""
+
+
+@pytest.mark.parametrize("view", ["array", "tensor"])
+def test_a_received_held_by_an_uncaught_exception_is_let_go_quietly_at_exit(tmp_path: Path, view: str) -> None:
+    """A script that dies holding a Received (its traceback keeps the frame): at exit the rings' finalizers
+    unmap the regions before the traceback is cleared; the hold's safety net then wrote its release into the
+    released ring and printed "Exception ignored in Hold.abandon ... operation forbidden on released
+    memoryview object" under the script's own traceback."""
+    if view == "tensor":
+        pytest.importorskip("torch", reason="as_tensor needs torch (CI installs the CPU build)")
+    res = subprocess.run([sys.executable, "-c", _HELD_AT_EXIT, str(tmp_path / "x.sock"), view],
+                         capture_output=True, text=True, timeout=60, env=env_with_src())
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.rstrip().endswith("RuntimeError: the script's own error"), res.stderr
+    assert "Exception ignored" not in res.stderr, res.stderr
 
 
 # --- waking for releases (Note [waking for releases] in _ring) -------------------------------------------------

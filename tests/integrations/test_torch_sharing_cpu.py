@@ -315,6 +315,26 @@ def test_install_and_uninstall_restore_torch():
     assert dict(ForkingPickler._extra_reducers) == reducers
 
 
+@pytest.mark.parametrize("kw, text", [({"allow_uids": "0"}, "allow_uids must be an iterable"),
+                                      ({"allow_uids": 0}, "allow_uids must be an iterable"),
+                                      ({"timeout": -1}, "timeout must be >= 0"),
+                                      ({"timeout": "60"}, "timeout must be a number")])
+def test_install_refuses_bad_uids_and_timeouts_before_anything_changes(kw, text):
+    # These were accepted and only failed later, in a rebuild, in another process (or, for "0", refused
+    # every broker: a set of characters never holds a uid).
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing.reductions as reductions
+
+    from dmabuf_interop.integrations import torch_sharing as ts
+
+    orig_rebuild = reductions.rebuild_cuda_tensor
+    with pytest.raises(InvalidArgumentError, match=text):
+        ts.install(**kw)
+    assert not ts.installed()
+    assert reductions.rebuild_cuda_tensor is orig_rebuild
+    assert "_share_cuda_" not in torch.UntypedStorage.__dict__
+
+
 def _args(handle: bytes, device=0) -> list:
     torch = pytest.importorskip("torch")
     return [torch.Tensor, (4,), (1,), 0, torch.storage.TypedStorage, torch.float32, device, handle, 64, 0, False,

@@ -254,6 +254,10 @@ class SharedPool:
         larger one; otherwise waits up to ``timeout`` seconds (``None``: forever) for
         blocks to come back.
 
+        A raw block is freed only when a holder it was given to lets go (the array of :meth:`empty`, a
+        lease); one taken here and dropped stays allocated, and its chunk cannot be trimmed, until
+        :meth:`close`. For arrays to send, use :meth:`empty`, whose block is freed with its array.
+
         Raises:
             InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``; ``timeout``
                 is not a number >= 0 or ``None`` (``math.inf`` waits forever, as ``None`` does).
@@ -378,7 +382,7 @@ class SharedPool:
         """An uninitialised C-contiguous array in a pool block, for zero-copy :meth:`Channel.send`.
 
         Args:
-            shape: elements per dimension.
+            shape: elements per dimension (an int, a NumPy integer or a sequence of them).
             dtype: a NumPy dtype or a name from :data:`.protocol.DTYPES` (on a host pool, the dtypes
                 NumPy lacks, such as ``"bfloat16"`` or ``"float8_e4m3fn"``, need ``ml_dtypes``; a device
                 pool's view holds them as the unsigned int of their size).
@@ -391,18 +395,30 @@ class SharedPool:
             of it) lives, and while leases on it are outstanding.
 
         Raises:
-            InvalidArgumentError: a bad shape or unsupported dtype. PoolExhaustedError: see :meth:`alloc`.
+            InvalidArgumentError: a bad shape, or a dtype that is not one or cannot travel.
+            PoolExhaustedError: see :meth:`alloc`.
         """
         import numpy as np
 
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        try:
+            shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        except TypeError:  # None, a float: not iterable
+            raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}") from None
         if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
             raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
         shape = tuple(int(s) for s in shape)
-        name = dtype if isinstance(dtype, str) and dtype in DTYPES else wire_dtype(np.dtype(dtype))
-        if name is None:
-            raise InvalidArgumentError(f"dtype {shown_dtype(np.dtype(dtype))} cannot travel; accepted: "
-                                       f"{', '.join(DTYPES)}")
+        if isinstance(dtype, str) and dtype in DTYPES:
+            name = dtype
+        else:
+            try:
+                np_dtype = np.dtype(dtype)
+            except TypeError:  # NumPy's "data type 'float33' not understood"
+                raise InvalidArgumentError(f"dtype {dtype!r} is neither a NumPy dtype nor one of the names "
+                                           f"{', '.join(DTYPES)}") from None
+            name = wire_dtype(np_dtype)
+            if name is None:
+                raise InvalidArgumentError(f"dtype {shown_dtype(np_dtype)} cannot travel; accepted: "
+                                           f"{', '.join(DTYPES)}")
         itemsize = DTYPES[name]
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         dt = numpy_dtype(name) if self.is_host else None  # before a block is taken: it may need ml_dtypes

@@ -85,6 +85,11 @@ class Hold:
         (possibly inside the garbage collector)."""
         if self.alive:
             self.alive = False
+            if sys.is_finalizing():
+                # Interpreter exit (a Received held by an uncaught exception's traceback, say): the channel's
+                # rings were unmapped by their finalizer at exit, and the kernel closes the socket, which
+                # completes the peer's leases; a release now would write to released memory.
+                return
             _finalize_hold(self.channel, self.lease_id, self.chunks)
 
     __del__ = abandon

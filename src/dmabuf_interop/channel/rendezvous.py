@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from .._checks import id_set
 from .._time import check_timeout, deadline_after, remaining
 from ..errors import (AddressInUseError, DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError,
                       SyscallError, WaitTimeoutError)
@@ -79,6 +80,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     except OSError as exc:
         raise SyscallError("getsockopt(SO_PEERCRED)", exc) from exc
     return _UCRED.unpack(raw)
+
+
+def _check_pool(pool: Any) -> None:
+    """Refuse a ``pool=`` that is not a :class:`SharedPool` at the call, not later in each handshake."""
+    if pool is not None and not isinstance(pool, SharedPool):
+        raise InvalidArgumentError(f"pool must be a SharedPool or None, got {type(pool).__name__}")
 
 
 def _allowed(uid: int, gid: int, allow_uids: Iterable[int] | None, allow_gids: Iterable[int] | None) -> bool:
@@ -363,18 +370,21 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     Raises:
         AddressInUseError: another listener holds the address (a live socket answered, or ``bind`` lost a
             race: ``EADDRINUSE``). Of two ``listen`` calls racing over one stale file, exactly one wins.
-        InvalidArgumentError: a bad address or timeout, or a path that exists and is not a socket.
+        InvalidArgumentError: a bad address or timeout, a path that exists and is not a socket, a ``pool``
+            that is not a :class:`SharedPool`, or ``allow_uids``/``allow_gids`` that are not iterables of ids.
         SyscallError: ``socket``, ``bind``, ``chmod`` or ``listen`` failed (the message names the address).
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
     spin = check_spin(spin)
+    _check_pool(pool)
+    allow_uids, allow_gids = id_set(allow_uids, "allow_uids"), id_set(allow_gids, "allow_gids")
     if _remote(address, remote):
         from .remote import listen_remote
 
         return listen_remote(address, pool=pool, device=device, backlog=backlog,  # type: ignore[return-value]
                              handshake_timeout=handshake_timeout, **remote)
-    check_timeout(handshake_timeout)
+    check_timeout(handshake_timeout, "handshake_timeout")
     addr, abstract = _sockaddr(address)
     shown = os.fspath(address)
     if abstract:
@@ -530,13 +540,16 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
         PeerRefusedError: the listener refused us (``str()`` has its reason), or we refused it.
         WaitTimeoutError: no hello within ``timeout``; the listen backlog stayed full; with ``wait``,
             nothing listened within it.
-        InvalidArgumentError: ``wait`` with a ``tcp://`` address.
+        InvalidArgumentError: ``wait`` with a ``tcp://`` address; a ``pool`` that is not a :class:`SharedPool`;
+            ``allow_uids``/``allow_gids`` that are not iterables of ids (a bare ``1000`` or ``"1000"`` included).
         ProtocolError: a malformed hello. PeerClosedError: the listener left during the handshake.
     """
     if ordering not in ("event", "sync"):
         raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
     deadline = deadline_after(timeout)  # also checks it: a number of seconds >= 0, or None
     spin = check_spin(spin)
+    _check_pool(pool)
+    allow_uids, allow_gids = id_set(allow_uids, "allow_uids"), id_set(allow_gids, "allow_gids")
     if _remote(address, remote):
         if wait:
             raise InvalidArgumentError("wait= is for local addresses; a tcp:// connect fails at once")

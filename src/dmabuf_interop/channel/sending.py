@@ -109,6 +109,9 @@ def inspect_array(array: Any) -> Source:
             strides = (tuple(s * dt.itemsize for s in array.strides) if array.strides is not None
                        else c_strides(shape, dt.itemsize))
             return Source(int(array.ptr), shape, strides, _numpy_name(dt), None, array)
+        if isinstance(array, Mapping):  # numpy.asarray would make it a 0-d object array ("dtype object")
+            raise InvalidArgumentError(f"cannot send a {type(array).__name__} as one array: send_many sends a "
+                                       f"mapping of name -> array")
         try:
             array = np.asarray(array)
         except ValueError as exc:  # a ragged list, for one
@@ -555,8 +558,15 @@ def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], 
             dev_pool = memo.dev_pool
         else:
             zero_copy = True
-            for arr in arrays:
-                found.append(find(pool, arr))
+            try:
+                for arr in arrays:
+                    found.append(find(pool, arr))
+            except InvalidArgumentError as exc:
+                if batch:  # say which item of the batch, keeping the error's type
+                    name = names[len(found)]
+                    item = f"item {name!r}" if name is not None else f"item {len(found)}"
+                    exc.args = (f"{item}: {exc.args[0]}", *exc.args[1:]) if exc.args else (item,)
+                raise
             if share_segments:
                 lend_in_place(pool, found)
             for name, f in zip(names, found):

@@ -78,8 +78,8 @@ class _HostView:
         NumPy arrays are DLPack producers too (on the CPU).
 
         Raises:
-            InvalidArgumentError: the buffer is closed, a negative extent, or the shape needs
-                more than ``size`` bytes.
+            InvalidArgumentError: the buffer is closed, a dtype that is not NumPy's or cannot view raw
+                memory (``object``, ``"S0"``), a negative extent, or the shape needs more than ``size`` bytes.
         """
         import numpy as np
 

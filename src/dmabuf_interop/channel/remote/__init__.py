@@ -265,8 +265,8 @@ def listen_remote(address: str, *, pool: SharedPool | None = None, device: int |
     """
     host, port = parse_address(address)
     secret = load_secret(token, token_file)
-    xfer_timeout = check_timeout(xfer_timeout)  # refused here, not at the first READ; math.inf is None
-    check_timeout(handshake_timeout)
+    xfer_timeout = check_timeout(xfer_timeout, "xfer_timeout")  # refused here, not at the first READ; math.inf is None
+    check_timeout(handshake_timeout, "handshake_timeout")
     nixl_module()
     try:
         sock = socket.create_server((host, port), backlog=backlog)
@@ -297,7 +297,7 @@ def connect_remote(address: str, *, timeout: float | None = 10.0, pool: SharedPo
     """
     host, port = parse_address(address)
     secret = load_secret(token, token_file)
-    xfer_timeout = check_timeout(xfer_timeout)  # refused here, not at the first READ; math.inf is None
+    xfer_timeout = check_timeout(xfer_timeout, "xfer_timeout")  # refused here, not at the first READ; math.inf is None
     nixl_module()
     try:
         sock = socket.create_connection((host, port), timeout=check_timeout(timeout))  # (math.inf: None)

@@ -14,6 +14,8 @@ import threading
 from typing import Any, Iterable
 
 from ... import _driver as driver
+from ..._checks import id_set
+from ..._time import check_timeout
 from ...channel.segments import segments_for
 from ...errors import CudaError, InvalidArgumentError, NotSupportedError
 from . import broker as _broker
@@ -114,12 +116,15 @@ def install(*, fallback: str = "torch", allow_uids: Iterable[int] | None = None,
         timeout: seconds a rebuild waits for the producer's broker.
 
     Raises:
-        InvalidArgumentError: a bad ``fallback``.
+        InvalidArgumentError: a bad ``fallback``; ``allow_uids`` not an iterable of ids (a bare ``1000`` or
+            ``"1000"`` included); ``timeout`` not a number of seconds >= 0 or ``None``.
         NotSupportedError: torch is not installed.
     """
     global _torch_rebuild
     if fallback not in ("torch", "refuse"):
         raise InvalidArgumentError(f"fallback must be 'torch' or 'refuse', got {fallback!r}")
+    allow_uids = id_set(allow_uids, "allow_uids")
+    timeout = check_timeout(timeout)  # checked here, not at the first rebuild in some other process
     try:
         import torch
         import torch.multiprocessing.reductions as reductions
