@@ -313,6 +313,32 @@ def test_pool_empty_refuses_what_is_not_a_dtype_or_a_shape_with_invalid_argument
         assert pool.empty(np.int64(3), "float32").shape == (3,)  # a NumPy integer is a 1-D shape, as an int
 
 
+def test_a_raw_block_is_given_back_by_free_and_one_still_held_is_refused() -> None:
+    # A raw block dropped without free stays allocated until close: two of them filled this pool for good.
+    with SharedPool(chunk_bytes=1 << 20, max_bytes=2 << 20) as pool, SharedPool(chunk_bytes=1 << 20) as other:
+        a, b = pool.alloc(1 << 20), pool.alloc(1 << 20)
+        with pytest.raises(PoolExhaustedError):
+            pool.alloc(1 << 20, timeout=0.05)
+        pool.free(a)
+        pool.free(a)  # given back already: nothing happens
+        assert pool.used_bytes == 1 << 20
+        c = pool.alloc(1 << 20, timeout=0.05)  # the room came back
+        assert (c.chunk, c.offset) == (a.chunk, a.offset)
+        pool.free(b)
+        pool.free(c)
+        assert pool.used_bytes == 0 and pool.trim() == 2  # both chunks idle again: retired
+        arr = pool.empty(16, "uint8")
+        held = pool.find(arr.ctypes.data, 16)
+        with pytest.raises(InvalidArgumentError, match="still held"):
+            pool.free(held)  # the array's block goes back with the array
+        with pytest.raises(InvalidArgumentError, match="of this pool"):
+            other.free(held)
+        del arr
+        assert pool.used_bytes == 0
+        d = pool.alloc(64)
+    pool.free(d)  # after close: nothing to give back
+
+
 # --- peers dying --------------------------------------------------------------------------
 
 def test_find_among_twenty_thousand_live_blocks() -> None:

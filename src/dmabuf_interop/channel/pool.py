@@ -254,9 +254,9 @@ class SharedPool:
         larger one; otherwise waits up to ``timeout`` seconds (``None``: forever) for
         blocks to come back.
 
-        A raw block is freed only when a holder it was given to lets go (the array of :meth:`empty`, a
-        lease); one taken here and dropped stays allocated, and its chunk cannot be trimmed, until
-        :meth:`close`. For arrays to send, use :meth:`empty`, whose block is freed with its array.
+        A raw block is the caller's to give back with :meth:`free`: one dropped without it stays allocated,
+        and its chunk cannot be trimmed, until :meth:`close`. For arrays to send, use :meth:`empty`, whose
+        block is freed with its array.
 
         Raises:
             InvalidArgumentError: ``nbytes`` is negative or can never fit in ``max_bytes``; ``timeout``
@@ -321,6 +321,26 @@ class SharedPool:
 
     def used_bytes_locked(self) -> int:
         return sum(b.size for c in self._chunks for b in c.blocks.values())
+
+    def free(self, block: Block) -> None:
+        """Give back a block from :meth:`alloc` that nothing else holds; nothing happens for one given back
+        already, or after :meth:`close`.
+
+        Raises:
+            InvalidArgumentError: a block of another pool, or one still held (the array of :meth:`empty`
+                made in it, or a lease on it: it is freed when they let go).
+        """
+        if not isinstance(block, Block) or block.pool is not self:
+            raise InvalidArgumentError(f"free takes a Block of this pool, got {block!r}")
+        with self._cond:
+            if self._closed or not block.live:
+                return
+            if block.refs > 0:
+                raise InvalidArgumentError(f"{block!r} is still held (an array of empty() or a lease): it is freed "
+                                           f"when they let go")
+            block.chunk.remove(block)
+            block.chunk.free.free(block.offset, block.size)
+            self._cond.notify_all()
 
     def _ref(self, block: Block) -> None:
         with self._cond:
