@@ -341,13 +341,20 @@ def test_huge_timeouts_do_not_overflow(sub):
     assert "Traceback" not in out.stderr and "Overflow" not in out.stderr
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_parent_reaps_its_children():
     """SIGINT to the parent alone while a child works: 'interrupted', exit 130, no child left."""
     env = env_with_src()
     env[FAULT] = "child-hang-before-send"
+    # A run started from a shell's background job inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the run would wait out its timeout. The CLI keeps what it inherits; this test,
+    # which is about Ctrl-C, gives its run the default disposition.
     proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop", "--mechanism", "memfd", "--timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_default)
     try:
         seen = ""
         while "child:  wrote pattern" not in seen:
