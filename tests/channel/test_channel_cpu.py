@@ -339,6 +339,22 @@ def test_a_raw_block_is_given_back_by_free_and_one_still_held_is_refused() -> No
     pool.free(d)  # after close: nothing to give back
 
 
+def test_a_negative_backlog_release_all_of_none_and_a_closed_pool_reentered_are_refused(addr: str) -> None:
+    # listen(2) took -1 as 0 without a word; release_all(None) raised TypeError; `with` on a closed pool
+    # handed the closed pool back, to fail at its first use.
+    with pytest.raises(InvalidArgumentError, match="backlog must be an int >= 0"):
+        listen(addr, backlog=-1)
+    assert not os.path.exists(addr)  # refused before anything was bound
+    with pytest.raises(InvalidArgumentError, match="release_all takes a batch"):
+        release_all(None)
+    release_all([])  # an empty batch: nothing to do
+    pool = SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 16)
+    pool.close()
+    with pytest.raises(InvalidArgumentError, match="the pool is closed"):
+        with pool:
+            pass
+
+
 # --- peers dying --------------------------------------------------------------------------
 
 def test_find_among_twenty_thousand_live_blocks() -> None:

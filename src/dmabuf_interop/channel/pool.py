@@ -527,6 +527,8 @@ class SharedPool:
         self._finalizer()
 
     def __enter__(self) -> "SharedPool":
+        if self._closed:
+            raise InvalidArgumentError("the pool is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -312,9 +312,16 @@ def release_all(items: Mapping[str, Received] | Iterable[Received]) -> None:
     per item.
 
     Raises:
-        InvalidArgumentError: an item is not a Received.
+        InvalidArgumentError: not a mapping or an iterable, or an item is not a Received.
     """
-    items = list(items.values() if isinstance(items, Mapping) else items)
+    if isinstance(items, Mapping):
+        items = list(items.values())
+    else:
+        try:
+            items = list(items)
+        except TypeError:  # None, a single Received: nothing to iterate
+            raise InvalidArgumentError(f"release_all takes a batch (a dict or an iterable of Received), "
+                                       f"got {type(items).__name__}") from None
     if items and set(map(type, items)) != {Received}:
         bad = next((r for r in items if not isinstance(r, Received)), None)
         if bad is not None:  # (a subclass passes)

@@ -371,7 +371,8 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         AddressInUseError: another listener holds the address (a live socket answered, or ``bind`` lost a
             race: ``EADDRINUSE``). Of two ``listen`` calls racing over one stale file, exactly one wins.
         InvalidArgumentError: a bad address or timeout, a path that exists and is not a socket, a ``pool``
-            that is not a :class:`SharedPool`, or ``allow_uids``/``allow_gids`` that are not iterables of ids.
+            that is not a :class:`SharedPool`, ``allow_uids``/``allow_gids`` that are not iterables of ids, or a
+            ``backlog`` that is not an int >= 0.
         SyscallError: ``socket``, ``bind``, ``chmod`` or ``listen`` failed (the message names the address).
     """
     if ordering not in ("event", "sync"):
@@ -379,6 +380,8 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     spin = check_spin(spin)
     _check_pool(pool)
     allow_uids, allow_gids = id_set(allow_uids, "allow_uids"), id_set(allow_gids, "allow_gids")
+    if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0:  # listen(2) would take -1 as 0
+        raise InvalidArgumentError(f"backlog must be an int >= 0, got {backlog!r}")
     if _remote(address, remote):
         from .remote import listen_remote
 
