@@ -338,9 +338,14 @@ class SharedPool:
             if block.refs > 0:
                 raise InvalidArgumentError(f"{block!r} is still held (an array of empty() or a lease): it is freed "
                                            f"when they let go")
-            block.chunk.remove(block)
-            block.chunk.free.free(block.offset, block.size)
+            self._free_locked(block)
             self._cond.notify_all()
+
+    @staticmethod
+    def _free_locked(block: Block) -> None:
+        """(Under the pool's lock.) ``block`` leaves its chunk and its bytes go back to the chunk's free list."""
+        block.chunk.remove(block)
+        block.chunk.free.free(block.offset, block.size)
 
     def _ref(self, block: Block) -> None:
         with self._cond:
@@ -366,8 +371,7 @@ class SharedPool:
             for block in blocks:
                 block.refs -= 1
                 if block.refs <= 0 and block.live:
-                    block.chunk.remove(block)
-                    block.chunk.free.free(block.offset, block.size)
+                    self._free_locked(block)
                     freed = True
             if freed:
                 self._cond.notify_all()

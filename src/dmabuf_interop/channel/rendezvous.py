@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from .._checks import id_set
+from .._checks import as_int, id_set
 from .._time import check_timeout, deadline_after, remaining
 from ..errors import (AddressInUseError, DmaBufError, InvalidArgumentError, PeerClosedError, PeerRefusedError,
                       SyscallError, WaitTimeoutError)
@@ -88,9 +88,10 @@ def _check_pool(pool: Any) -> None:
         raise InvalidArgumentError(f"pool must be a SharedPool or None, got {type(pool).__name__}")
 
 
-def _allowed(uid: int, gid: int, allow_uids: Iterable[int] | None, allow_gids: Iterable[int] | None) -> bool:
-    uids = set(allow_uids) if allow_uids is not None else {os.geteuid()}
-    return uid in uids or (allow_gids is not None and gid in set(allow_gids))
+def _allowed(uid: int, gid: int, allow_uids: frozenset[int] | None, allow_gids: frozenset[int] | None) -> bool:
+    """``allow_uids``/``allow_gids`` as :func:`.._checks.id_set` made them at the call."""
+    return uid in (allow_uids if allow_uids is not None else (os.geteuid(),)) or (
+        allow_gids is not None and gid in allow_gids)
 
 
 def _check_hello(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
@@ -380,7 +381,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
     spin = check_spin(spin)
     _check_pool(pool)
     allow_uids, allow_gids = id_set(allow_uids, "allow_uids"), id_set(allow_gids, "allow_gids")
-    if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0:  # listen(2) would take -1 as 0
+    if as_int(backlog, "backlog") < 0:  # listen(2) would take -1 as 0
         raise InvalidArgumentError(f"backlog must be an int >= 0, got {backlog!r}")
     if _remote(address, remote):
         from .remote import listen_remote
