@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -737,6 +738,34 @@ def test_spin_per_channel_and_per_recv(tmp_path: Path, spin: float) -> None:
                 cons.spin = 2.0
             with pytest.raises(InvalidArgumentError):
                 cons.recv(0.01, spin=-0.1)
+
+
+def test_a_blocking_recv_takes_the_slot_first_and_reads_its_wake_up_at_its_next_wait(tmp_path: Path) -> None:
+    """A consumer woken from its sleep in ``recv`` returns the slot before it reads the wake-up datagram (left on
+    its wake socket); its next ``recv`` reads it, then sleeps out its whole timeout, and leaves the socket empty."""
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "b.sock"), pool)
+        with lst, prod, cons:
+            a = pool.empty(4, "int64")
+            wake_fd = cons._conn.rings.wake_fd
+            first = prod.send(a, timeout=5)  # defines the layout (the socket); the sends below repeat it (the ring)
+            cons.recv(5).release()
+            first.wait(5)
+            leases: list[Any] = []
+            for k in range(3):
+                a[0] = k
+                timer = threading.Timer(0.1, lambda: leases.append(prod.send(a, timeout=5)))
+                timer.start()  # the consumer is asleep in recv by then: the slot's publish wakes it
+                with cons.recv(5) as r:
+                    assert int(r.as_array()[0]) == k
+                timer.join(5)
+                assert select.select([wake_fd], [], [], 0)[0] == [wake_fd]  # the wake-up, not read yet
+                t0 = time.monotonic()
+                with pytest.raises(WaitTimeoutError):
+                    cons.recv(0.1)
+                assert time.monotonic() - t0 >= 0.09
+                assert select.select([wake_fd], [], [], 0)[0] == []
+                leases.pop().wait(5)
 
 
 def test_the_queue_bound_parks_ring_slots_then_the_socket_fills(tmp_path: Path, monkeypatch) -> None:

@@ -153,6 +153,35 @@ def test_a_retired_chunk_stops_repeats_of_its_layouts() -> None:
     assert p.b.phase is Phase.ENDED and p.b.end_reason is EndReason.PROTOCOL_ERROR
 
 
+def test_a_ring_slot_is_taken_as_the_repeat_it_stands_for() -> None:
+    """``receive_slot`` (a repeat read from the peer's ring) makes the events ``receive`` makes of the same
+    repeat as a message, and refuses what it refuses, ending the connection."""
+    p = ConnectionPair()
+    c = p.announce(p.a, 2 << 20, host=False)
+    items = [block(c, 0, None), block(c, 1, None)]
+    lease, _ = p.lend(p.a, items, False)
+    p.release(p.b, lease)
+    twin = ConnectionPair()  # the same steps, so the same layout ids and state
+    tc = twin.announce(twin.a, 2 << 20, host=False)
+    twin.lend(twin.a, [block(tc, 0, None), block(tc, 1, None)], False)
+    for k, (ordering, event) in enumerate((("sync", None), ("event", EVENT), ("sync", None))):
+        by_slot = p.b.receive_slot(100 + k, 1, ordering, event)
+        by_msg = twin.b.receive({"kind": "repeat", "lease": 100 + k, "layout": 1, "ordering": ordering,
+                                 "event": event, "meta": None})
+        assert by_slot == by_msg and type(by_slot[0]) is ArraysArrived and by_slot[0].ordering == ordering
+        assert by_slot[0].descs[0].event == event
+    with pytest.raises(ProtocolError, match="lease 101 is already held"):
+        p.b.receive_slot(101, 1, "sync", None)
+    assert p.b.phase is Phase.ENDED and p.b.end_reason is EndReason.PROTOCOL_ERROR
+    with pytest.raises(ProtocolError, match="after the end"):
+        p.b.receive_slot(200, 1, "sync", None)
+    with pytest.raises(ProtocolError, match="unknown layout 9"):
+        twin.b.receive_slot(200, 9, "sync", None)
+    fresh = ConnectionState(phase=Phase.HANDSHAKE)
+    with pytest.raises(ProtocolError, match="before the peer's ring message"):
+        fresh.receive_slot(1, 1, "sync", None)
+
+
 def test_bye_ends_the_connection_and_end_completes_what_was_lent() -> None:
     p = ConnectionPair()
     p.a.lend(7, "token")

@@ -89,10 +89,12 @@ class Lending:
         deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
         if self._proto.over:
             raise self._link.ended()
-        if self._rings is not None and self._rings.attached:
-            self._take_ring_releases()  # the blocks of leases released come back before this one is placed
+        # The blocks of leases released come back before anything new is placed; a placement lent again takes
+        # none (its blocks are there), which leaves them to a wait, a poll or the reader (Note [waking for
+        # releases], in ._ring): fewer steps between the call and the slot.
+        take = self._take_ring_releases if self._rings is not None and self._rings.attached else None
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
-                       batch is not None, self.share_segments, self._auto)
+                       batch is not None, self.share_segments, self._auto, take)
         try:
             for block in prep.heads:
                 self._announce(block, deadline)

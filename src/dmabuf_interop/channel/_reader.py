@@ -40,6 +40,7 @@ from ._link import Link
 from ._releases import ReleaseQueue
 from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, LayoutForgotten,
                      LeasesReleased, PeerClosed, PeerRefused, RingOffered)
+from ._ring_region import RingSlot
 from ._torch_views import LayoutViews
 from .protocol import parse_message
 from .sending import MemoTable
@@ -515,10 +516,7 @@ class Reading:
                 self._proto.fail(exc)
                 self._end()
                 return True
-            event = slot.event
-            self._take({"kind": "repeat", "lease": slot.lease, "layout": slot.layout, "ordering": slot.ordering,
-                        "event": None if event is None else base64.b64encode(event).decode(), "meta": None},
-                       _NO_FDS, checked=True)
+            self._take(slot, _NO_FDS)
             return True
         msg, fds = got
         conn.ahead = None
@@ -603,42 +601,50 @@ class Reading:
                 try:
                     events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
                 finally:
-                    rings.sleep_end()  # (drains the wake socket)
+                    # Load-bearing for a blocking consumer's latency: the wake-up is read at the next wait (the
+                    # poll(0) at the top finds it), not between the wake and the slot (two recv and an exception).
+                    rings.sleep_end(drain=False)
                 if not events:
                     left = remaining(deadline)
                     return None if left is not None and left <= 0 else False
                 return any(fd != rings.wake_fd for fd, _ in events)
         if any(fd == rings.wake_fd for fd, _ in events):
-            rings.drain()  # woken without a sleep: the wake-up is read here
+            rings.drain()  # a wake-up left by the last sleep, or sent without one: read here
         return any(fd != rings.wake_fd for fd, _ in events)
 
-    def _take(self, msg: dict[str, Any], fds: list[int], checked: bool = False) -> None:
-        """Handle one message read (its fds are closed after), ending the connection if it must. ``checked``:
-        a ring slot's ``repeat``, whose fields :meth:`._ring.Rings.take` validated."""
+    def _take(self, msg: dict[str, Any] | RingSlot, fds: list[int]) -> None:
+        """Handle one message read (its fds are closed after), ending the connection if it must: a socket
+        message, or a ring slot (a ``repeat`` whose fields :meth:`._ring.Rings.take` checked)."""
         try:
-            self._handle(msg, fds, checked)
+            self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
         except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
             # Our failure, not the peer's: the message passed every check of the protocol.
-            self._proto.fail(LocalError(f"this process failed on the peer's {msg.get('kind')!r} message: "
+            kind = "repeat" if type(msg) is RingSlot else msg.get("kind")
+            self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: "
                                         f"{type(exc).__name__}: {exc}"))
             self._end()
         finally:
             close_fds(fds)
 
-    def _handle(self, msg: dict[str, Any], fds: list[int], checked: bool = False) -> None:
-        """Hand one message to the protocol state and act on its events: arrays are queued (under the
-        state lock, with the state's own step, so that a ``close`` between them cannot lose a lease);
-        chunks are imported, retired chunks unmapped once unused, released leases completed."""
+    def _handle(self, msg: dict[str, Any] | RingSlot, fds: list[int]) -> None:
+        """Hand one message (or ring slot) to the protocol state and act on its events: arrays are queued
+        (under the state lock, with the state's own step, so that a ``close`` between them cannot lose a
+        lease); chunks are imported, retired chunks unmapped once unused, released leases completed."""
+        slot = msg if type(msg) is RingSlot else None
         descs = None
-        if checked:
-            descs = _NO_FDS  # (a repeat: no descriptors)
-        elif not (self._carrier.transport == "nixl" and isinstance(msg, dict) and msg.get("kind") == "region"):
+        if slot is None and not (self._carrier.transport == "nixl" and isinstance(msg, dict)
+                                 and msg.get("kind") == "region"):
             _, descs = parse_message(msg)  # outside the state lock: a batch has thousands of descriptors
         with self._state:
-            events = self._proto.receive(msg, len(fds), descs)
+            if slot is not None:  # (no message made: the state's step for a repeat, straight from the slot)
+                ev = slot.event
+                events = self._proto.receive_slot(slot.lease, slot.layout, slot.ordering,
+                                                  None if ev is None else base64.b64encode(ev).decode())
+            else:
+                events = self._proto.receive(msg, len(fds), descs)
             for ev in events:
                 if type(ev) is ArraysArrived:
                     chunks = {}

@@ -29,7 +29,8 @@ Note [waking for releases]. An end's ``asleep`` has two sleeping values (:data:`
 :data:`SLEEP_SLOTS` 2). A writer of slots wakes a sleeper on any nonzero value; a writer of releases only on
 1 (and on any value other than 0 and 2: a peer's unknown value counts as 1). Why: an exporter's reader sleeps
 almost all the time, and a release woke it at every hand-off (a ``send`` on the importer, a thread wake-up and
-the GIL on the exporter), though a pipelined producer takes the releases itself before each ``send``. Only
+the GIL on the exporter), though a pipelined producer takes them itself (in a wait, or a ``send`` that places
+something new). Only
 someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
 for a release and it sent within the bound below (:func:`._reader._sleep_on_ring`), and a thread about to wait
 (``Lease.wait``, ``SharedPool.alloc`` waiting for room: :class:`._reader.ReleaseWaits`) counts itself in, then
@@ -596,9 +597,11 @@ class Rings:
             _store_seq(self._mine, ASLEEP, SLEEP_ALL)
         return _load_seq(peer, REL_TAIL) != self._rel_head
 
-    def sleep_end(self) -> None:
-        """Clear ``asleep`` and drain :attr:`wake_fd` (``recv(MSG_DONTWAIT)``). Call it after every
-        :meth:`sleep_begin` that returned True, however the sleep ended.
+    def sleep_end(self, drain: bool = True) -> None:
+        """Clear ``asleep`` and, with ``drain``, drain :attr:`wake_fd` (``recv(MSG_DONTWAIT)``). Call it after
+        every :meth:`sleep_begin` that returned True, however the sleep ended. Without ``drain`` the wake-ups
+        stay on :attr:`wake_fd` for the caller to :meth:`drain` before it next waits (its next ``poll`` finds
+        the socket readable).
 
         Raises:
             SyscallError: ``recv`` on the wake socket failed (other than ``EAGAIN``, or the peer's end gone).
@@ -609,7 +612,8 @@ class Rings:
             self._check_usable()
         self._asleep = AWAKE
         _store(self._mine, ASLEEP, AWAKE)
-        self.drain()
+        if drain:
+            self.drain()
 
     def drain(self) -> None:
         """Read the wake-ups waiting on :attr:`wake_fd` (``recv(MSG_DONTWAIT)``, at most :data:`_DRAIN`),

@@ -518,47 +518,67 @@ class ConnectionState:
         self._check_new(msg["chunk"], "region")
         return [ChunkAnnounced(self._new_chunk(msg["chunk"], msg["size"], msg["mem"] == "DRAM"), msg)]
 
+    def receive_slot(self, lease: int, layout: int, ordering: str, event: str | None) -> list[Event]:
+        """A ``repeat`` that came as a slot of the peer's shared-memory ring, whose fields
+        :meth:`._ring.Rings.take` checked: what :meth:`receive` makes of ``{"kind": "repeat", "lease": lease,
+        "layout": layout, "ordering": ordering, "event": event, "meta": None}``, without the message.
+
+        Raises:
+            ProtocolError: as :meth:`receive` (the connection has ended).
+        """
+        if self.ended:
+            raise ProtocolError("a ring slot after the end of the connection")
+        try:
+            if self.phase is _HANDSHAKE or self.ring_due:  # (the ring is attached after the peer's ring message)
+                raise ProtocolError("a ring slot before the peer's ring message")
+            return self._repeat(lease, layout, ordering, event, None)
+        except ProtocolError as exc:
+            self._finish(exc)
+            raise
+
+    def _repeat(self, lease: int, layout_id: int, ordering: str, event: str | None,
+                meta: dict[str, Any] | None) -> list[Event]:
+        found = self._layouts.get(layout_id) or self._single_layouts.get(layout_id)
+        if found is None:
+            raise ProtocolError(f"repeat of unknown layout {layout_id}")
+        for cid, fact in found.chunks.items():
+            if self._chunks.get(cid) is not fact:
+                raise ProtocolError(f"repeat of layout {layout_id} names chunk {cid}, retired since")
+            if ordering == "event" and fact.host:
+                raise ProtocolError(f"ordering 'event' for host chunk {cid}")
+        descs = found.descs
+        d = descs[0]
+        if not (meta is None and d.meta is None and ordering == d.ordering and event == d.event):
+            # Otherwise as defined (a ring of blocks sent again and again): the frozen descriptors are
+            # shared, never a meta object (whose == would also equate 1, 1.0 and True).
+            descs = [dataclasses.replace(d, ordering=ordering, event=event, meta=meta), *descs[1:]]
+        # (a single array's layout arrives as one)
+        return self._arrived("array" if found.mapping is None else "arrays", lease, descs, bool(found.mapping),
+                             ordering, found.chunks, found.id, [])
+
     def _arrays(self, kind: str, msg: dict[str, Any], descs: list[ArrayDescriptor]) -> list[Event]:
-        lease = msg["lease"]
-        ordering = None
-        layout_id = None
-        events: list[Event] = []
         if kind == "repeat":
-            found = self._layouts.get(msg["layout"]) or self._single_layouts.get(msg["layout"])
-            if found is None:
-                raise ProtocolError(f"repeat of unknown layout {msg['layout']}")
-            for cid, fact in found.chunks.items():
-                if self._chunks.get(cid) is not fact:
-                    raise ProtocolError(f"repeat of layout {msg['layout']} names chunk {cid}, retired since")
-                if msg["ordering"] == "event" and fact.host:
-                    raise ProtocolError(f"ordering 'event' for host chunk {cid}")
-            descs = found.descs
-            d = descs[0]
-            if not (msg["meta"] is None and d.meta is None and (msg["ordering"], msg["event"]) == (d.ordering, d.event)):
-                # Otherwise as defined (a ring of blocks sent again and again): the frozen descriptors are
-                # shared, never a meta object (whose == would also equate 1, 1.0 and True).
-                first = dataclasses.replace(d, ordering=msg["ordering"], event=msg["event"], meta=msg["meta"])
-                descs = [first, *descs[1:]]
-            ordering = msg["ordering"]
-            kind = "array" if found.mapping is None else "arrays"  # a single array's layout arrives as one
-            mapping = bool(found.mapping)
-            chunks = found.chunks
-            layout_id = found.id
-        else:
-            chunks = {}
-            for d in descs:
-                fact = chunks[d.chunk] = self._chunks.get(d.chunk)
-                if fact is None:
-                    raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
-                if d.block_offset + d.block_bytes > fact.size:
-                    raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies "
-                                        f"outside chunk {d.chunk} of {fact.size} bytes")
-                if d.ordering == "event" and fact.host:
-                    raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
-            mapping = kind == "arrays" and msg["mapping"]
-            if "layout" in msg:
-                layout_id = msg["layout"]
-                events += self._define_layout(Layout(layout_id, descs, mapping if kind == "arrays" else None, chunks))
+            return self._repeat(msg["lease"], msg["layout"], msg["ordering"], msg["event"], msg["meta"])
+        events: list[Event] = []
+        chunks = {}
+        for d in descs:
+            fact = chunks[d.chunk] = self._chunks.get(d.chunk)
+            if fact is None:
+                raise ProtocolError(f"descriptor names unknown chunk {d.chunk}")
+            if d.block_offset + d.block_bytes > fact.size:
+                raise ProtocolError(f"block [{d.block_offset}, {d.block_offset + d.block_bytes}) lies "
+                                    f"outside chunk {d.chunk} of {fact.size} bytes")
+            if d.ordering == "event" and fact.host:
+                raise ProtocolError(f"ordering 'event' for host chunk {d.chunk}")
+        mapping = kind == "arrays" and msg["mapping"]
+        layout_id = None
+        if "layout" in msg:
+            layout_id = msg["layout"]
+            events += self._define_layout(Layout(layout_id, descs, mapping if kind == "arrays" else None, chunks))
+        return self._arrived(kind, msg["lease"], descs, mapping, None, chunks, layout_id, events)
+
+    def _arrived(self, kind: str, lease: int, descs: list[ArrayDescriptor], mapping: bool, ordering: str | None,
+                 chunks: dict[int, ChunkFact], layout_id: int | None, events: list[Event]) -> list[Event]:
         if lease in self._held:
             raise ProtocolError(f"lease {lease} is already held")
         if descs and self.phase is not _CLOSING:  # (closing: dropped; the peer releases at the end)

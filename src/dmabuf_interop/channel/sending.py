@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import DmaBufError, InvalidArgumentError
 from ._torch_views import BULK_ITEMS, bulk
@@ -538,9 +538,10 @@ class Prepared:
 
 
 def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
-            timeout: float | None, ordering: str, batch: bool, share_segments: bool, auto: Any = None) -> Prepared:
-    """Place every array of a send (:class:`MemoTable.lend_again`, else :func:`find`, :func:`lend_in_place`
-    and :func:`place`, which copies into ``auto``'s pools when there is no ``pool``), then order the
+            timeout: float | None, ordering: str, batch: bool, share_segments: bool, auto: Any = None,
+            before_place: Callable[[], None] | None = None) -> Prepared:
+    """Place every array of a send (:class:`MemoTable.lend_again`, else ``before_place()``, :func:`find`,
+    :func:`lend_in_place` and :func:`place`, which copies into ``auto``'s pools when there is no ``pool``), then order the
     writes on a device pool: ``"sync"`` (``cuStreamSynchronize``, or
     nothing pending on ``stream``: ``cuStreamQuery``) or ``"event"`` (``cuEventRecord`` of an interprocess
     event). On failure every block taken is given back.
@@ -557,6 +558,8 @@ def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], 
             placed = again  # referenced again by lend_again; the except below gives them back
             dev_pool = memo.dev_pool
         else:
+            if before_place is not None:
+                before_place()
             zero_copy = True
             try:
                 for arr in arrays:
