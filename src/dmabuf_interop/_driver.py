@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import _forks
 from .errors import CudaError, CudaNotSupportedError, ForkedAfterInitError, InvalidArgumentError, NoDriverError
 
 _lock = threading.Lock()
@@ -211,9 +212,9 @@ def _per_process() -> dict[Any, Any]:
     """Facts that cannot change within a process (device count, handles, UUIDs,
     granularities), forgotten in a forked child."""
     global _cache_pid
-    if _cache_pid != os.getpid():
+    if _cache_pid != _forks.pid:  # (no getpid() system call: this runs in every hand-off's set_current)
         _cache.clear()
-        _cache_pid = os.getpid()
+        _cache_pid = _forks.pid
     return _cache
 
 
@@ -334,11 +335,12 @@ def set_current(ordinal: int) -> Any:
 
         dev = Device(ordinal)
         dev.set_current()
-        cache[key] = (dev, dev.context.handle)
+        ctx = dev.context.handle
+        cache[key] = (dev, ctx, int(ctx))
         return dev
-    dev, ctx = known
+    dev, ctx, address = known
     drv = bindings()
-    if int(call(drv.cuCtxGetCurrent)) != int(ctx):
+    if int(call(drv.cuCtxGetCurrent)) != address:
         call(drv.cuCtxSetCurrent, ctx)
     return dev
 

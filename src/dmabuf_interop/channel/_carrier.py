@@ -151,8 +151,12 @@ class FdCarrier:
         on the producer's event (``cuIpcOpenEventHandle`` once per handle, ``cuStreamWaitEvent``)."""
         # The hold takes over the queue's references on the chunks.
         hold = Hold(channel, lease_id, list(chunks.values()), len(descs), stream, ordering, adopt=True)
-        with bulk(len(descs)):
-            out = [Received(hold, d, chunks[d.chunk]) for d in descs]
+        if len(descs) == 1:  # (one array: no context manager, no comprehension)
+            d = descs[0]
+            out = [Received(hold, d, chunks[d.chunk])]
+        else:
+            with bulk(len(descs)):
+                out = [Received(hold, d, chunks[d.chunk]) for d in descs]
         for r in out:
             if r.ordering == "event":
                 from .. import _driver as driver

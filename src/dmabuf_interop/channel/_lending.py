@@ -21,7 +21,7 @@ from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgu
                       WaitTimeoutError)
 from ..fdpass import _broken_send
 from ._reader import _ring_releases
-from ._ring_region import LEASE_LIMIT, RingSlot
+from ._ring_region import LEASE_LIMIT
 from .lease import Lease, next_lease_id
 from .pool import Block
 from .sending import Memo, Placed, check_meta, prepare, stream_handle, wire_descs
@@ -192,7 +192,7 @@ class Lending:
             raise link.ended()
         if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
             return False  # (past what a slot holds: by the socket)
-        return self._rings.try_push(RingSlot(link.sent, lease_id, layout, order, event))
+        return self._rings.push_repeat(link.sent, lease_id, layout, order, event)
 
     def _take_ring_releases(self) -> None:
         """Complete the leases the peer released through its release ring. A forged one (an id not lent) ends

@@ -661,6 +661,8 @@ class Reading:
                         self._state.notify_all()
                 elif type(ev) is EmptyBatch:
                     self._releases.pending.append(ev.lease)  # nothing to hold
+        if slot is not None:
+            return  # (a repeat's events are its arrival alone: nothing below)
         for ev in events:
             t = type(ev)
             if t is ChunkAnnounced:

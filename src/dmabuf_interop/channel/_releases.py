@@ -54,14 +54,16 @@ class ReleaseQueue:
         self._wake = threading.Event()
 
     def add(self, lease_id: int, *, inline: bool = False) -> None:
-        """Send the release of ``lease_id``: with ``inline``, now, in the caller's thread, when no
+        """The peer's lease ``lease_id`` was released here: the state forgets it held it
+        (:meth:`._state.ConnectionState.released`, under the same hold of the state lock), and its release
+        goes out: through the release ring, or with ``inline``, now, in the caller's thread, when no
         release went out within :data:`RELEASE_GAP` (so the exporter reads it before its next send,
         not during it) or :data:`RELEASE_BATCH` are waiting; otherwise the flusher thread sends it
         with the others of its burst, within :data:`RELEASE_DELAY`, or ``recv`` does when it is
         about to wait and nothing has arrived."""
         with self._cond:
-            if self._proto.over:
-                return
+            if not self._proto.released(lease_id):
+                return  # over: the peer completes every lease itself
             rings = self._rings
             if rings is not None and not self.pending and rings.attached and lease_id < LEASE_LIMIT:
                 try:

@@ -51,7 +51,7 @@ itself), at the cost of at most one wake-up per bound while a producer keeps sen
 ``Channel.outstanding`` poll: they take the releases themselves, with no need to be woken.
 
 Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
-``try_push``; ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
+``try_push`` (and ``push_repeat``); ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
 ``take_releases`` and ``want_releases``. Each group writes its own counters, so the four may run in four
 threads (``sleep_begin`` reads ``take_releases``'s head: a stale value only makes it decline to sleep).
 ``want_releases`` also stores ``asleep`` (1 over a 2) beside the sleeper: a store of 1 after the sleeper woke
@@ -354,7 +354,8 @@ class Rings:
     # --- message ring ---------------------------------------------------------------------------------
 
     def try_push(self, slot: RingSlot) -> bool:
-        """Publish ``slot`` in this end's message ring, and wake the peer if it said it sleeps.
+        """Publish ``slot`` in this end's message ring, and wake the peer if it said it sleeps
+        (:meth:`push_repeat` of its fields).
 
         Returns False, publishing nothing, when the ring is full or no peer region is attached (send it by the
         socket then: its ``sock_seq`` keeps the order).
@@ -367,6 +368,11 @@ class Rings:
             SyscallError: ``send`` to the peer's wake socket failed.
             ForkedResourceError: inherited through ``fork()``.
         """
+        return self.push_repeat(slot.sock_seq, slot.lease, slot.layout, slot.ordering, slot.event)
+
+    def push_repeat(self, sock_seq: int, lease: int, layout: int, ordering: str, event: bytes | None) -> bool:
+        """:meth:`try_push` of the slot with these fields (:class:`RingSlot`'s), with no record made: a sender's
+        hot path. Returns and raises as :meth:`try_push`."""
         if self._owner != _forks.pid:
             raise self._forked()
         peer = self._peer
@@ -380,16 +386,15 @@ class Rings:
             self._peer_in_head = head
             if tail - head >= self.slots:
                 return False
-        code = ORDER_CODE.get(slot.ordering)
-        event = slot.event
+        code = ORDER_CODE.get(ordering)
         if code is None or (event is not None) != (code == EVENT_CODE) or (
-                event is not None and len(event) != EVENT_BYTES) or not 0 < slot.lease < LEASE_LIMIT:
-            raise InvalidArgumentError(f"ring: cannot carry {slot!r}")
+                event is not None and len(event) != EVENT_BYTES) or not 0 < lease < LEASE_LIMIT:
+            raise InvalidArgumentError(f"ring: cannot carry {RingSlot(sock_seq, lease, layout, ordering, event)!r}")
         try:
-            data = SLOT.pack(tail + 1, slot.sock_seq, slot.lease, slot.layout, code, event is not None,
-                              event or b"")
+            data = SLOT.pack(tail + 1, sock_seq, lease, layout, code, event is not None, event or b"")
         except struct.error as exc:
-            raise InvalidArgumentError(f"ring: cannot carry {slot!r}: {exc}") from exc
+            raise InvalidArgumentError(f"ring: cannot carry {RingSlot(sock_seq, lease, layout, ordering, event)!r}: "
+                                       f"{exc}") from exc
         _publish(self._mine, SLOTS_OFFSET + (tail & self._mask) * SLOT_BYTES, data)  # body, then seq (release)
         self._out_tail = tail = tail + 1
         _store_seq(self._mine, OUT_TAIL, tail)  # seq_cst: ordered before the load of the peer's asleep

@@ -46,7 +46,7 @@ layouts: :meth:`ConnectionState.receive` is called under it), the queue of arriv
 :class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
 
 The shared-memory ring (:mod:`._ring`; both ends offered it at the handshake). Its four kinds of calls are
-serialised by the locks above: ``try_push`` (a repeat without meta, :meth:`._lending.Lending._push`) under
+serialised by the locks above: ``push_repeat`` (a repeat without meta, :meth:`._lending.Lending._push`) under
 ``_send_lock``, so a slot takes its place among the socket messages in the lock's order (it records
 :attr:`._link.Link.sent`, the messages that went out whole before it);
 ``peek_sock_seq``/``take``/``sleep_begin``/``sleep_end`` by whoever holds ``_read_lock``
@@ -436,9 +436,7 @@ class Channel(Lending, Reading):
         ``inline``: by the caller's ``release()``, so the message may go out in its thread."""
         if self._owner != _forks.pid:
             return  # a Received inherited through fork(): the parent holds the lease and releases it
-        with self._state:
-            self._proto.released(lease_id)
-        self._releases.add(lease_id, inline=inline)
+        self._releases.add(lease_id, inline=inline)  # (the state forgets the lease there, under the same hold)
 
     # --- closing ------------------------------------------------------------------
 
