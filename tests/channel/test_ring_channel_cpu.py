@@ -1013,6 +1013,28 @@ def test_lease_done_takes_the_release_with_no_send_and_no_wake_up(tmp_path: Path
             assert pool.used_bytes == 0 and prod.outstanding == 0
 
 
+def test_lease_wait_takes_a_release_already_in_the_ring_without_waking_the_reader(tmp_path: Path, monkeypatch) -> None:
+    """A release published before ``Lease.wait``: the wait takes it as ``done`` does, and returns; it counts
+    no waiter in, so the reader, asleep for slots only, is not made wakeable by releases (its ``asleep`` stays
+    2). A wait whose release is not there yet still counts in and is served (the waiter handshake)."""
+    monkeypatch.setattr(reader_module, "SLOTS_ONLY_SLEEP", 60.0)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 16) as pool:
+        lst, prod, cons, lease, r = _sleeping_for_slots(tmp_path, pool)
+        with lst, prod, cons:
+            r.release()
+            time.sleep(0.05)
+            assert lease.reason is None  # in the release ring; the reader was not woken
+            lease.wait(5)
+            assert lease.reason == "released" and prod._conn.release_waiters == 0
+            assert _asleep(prod) == SLEEP_SLOTS
+            a = pool.empty(1 << 16, "uint8")
+            second = prod.send(a, timeout=5)
+            r = cons.recv(5)
+            threading.Timer(0.1, r.release).start()
+            second.wait(5)  # counted in: made the reader wakeable, and woken by the release
+            assert second.reason == "released" and prod._conn.release_waiters == 0
+
+
 def test_an_idle_producers_leases_come_back_within_the_bound(tmp_path: Path, monkeypatch) -> None:
     """Nothing waits, nothing polls and nothing more is sent: a release the reader was not woken for (it slept
     for slots only, here with a 0.3 s bound) is taken when that sleep ends; every lease completes by itself."""

@@ -87,6 +87,12 @@ class Lease:
         if not self._out.locked():
             return
         waits = self._waits
+        if waits is not None:
+            # The release is often in the ring already (a pipelined producer's: a send lent again takes none):
+            # taken as done() takes it, one hold of the state lock, not the two of a waiter counted in and out.
+            waits.take()
+            if not self._out.locked():
+                return
         counted = waits is not None and waits.begin(self)  # a wait for a release: the reader must be woken for it
         try:
             got = self._out.acquire(timeout=-1 if limit is None else limit)
