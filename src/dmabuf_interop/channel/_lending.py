@@ -105,7 +105,7 @@ class Lending:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events, self._waits)
         ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
-        with self._state:
+        with self._state_lock:
             self._proto.lend(lease.id, lease)
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         try:

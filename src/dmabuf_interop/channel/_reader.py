@@ -108,6 +108,7 @@ class _Conn:
     finish_here: bool = False  # whoever ends the connection also drops the queue and closes the carrier
     sent_at: float = -1e9  # time.monotonic() of the last send that lent something (Note [waking for releases])
     release_waiters: int = 0  # threads waiting for a release of this end's leases (changed under ``state``)
+    state_lock: Any = None  # the RLock under ``state``, held directly on the paths every hand-off takes
 
 
 def _poll_ms(deadline: float | None) -> int:
@@ -121,7 +122,7 @@ def _poll_ms(deadline: float | None) -> int:
 def _ring_releases(conn: _Conn) -> None:
     """Complete the leases the peer released through its release ring (under the state lock: the reader and
     the senders take them). Raises ProtocolError for an id not lent, or a ring out of step."""
-    with conn.state:
+    with conn.state_lock:
         if conn.proto.ended:
             return
         ids = conn.rings.take_releases()
@@ -395,7 +396,7 @@ class Reading:
                 # message has arrived already (a busy consumer lets its releases gather).
                 if not (self._reader is None and self._read_arrived()):
                     self._releases.flush()
-            with self._state:
+            with self._state_lock:  # (the Condition's own lock: its wait below works under it)
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
                         raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
@@ -638,7 +639,7 @@ class Reading:
         if slot is None and not (self._carrier.transport == "nixl" and isinstance(msg, dict)
                                  and msg.get("kind") == "region"):
             _, descs = parse_message(msg)  # outside the state lock: a batch has thousands of descriptors
-        with self._state:
+        with self._state_lock:  # (the Condition's own lock: notify_all below works under it)
             if slot is not None:  # (no message made: the state's step for a repeat, straight from the slot)
                 ev = slot.event
                 events = self._proto.receive_slot(slot.lease, slot.layout, slot.ordering,

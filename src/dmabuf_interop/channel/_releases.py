@@ -40,12 +40,16 @@ class ReleaseQueue:
         cond: the channel's state lock, under which ``pending`` changes.
         proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
         rings: the channel's :class:`._ring.Rings` (``None``: no ring), used once the peer's is attached.
+        lock: the lock ``cond`` is over (``None``: ``cond``), held directly by :meth:`add`, which every
+            release takes (a Condition's ``with`` is one Python call more).
     """
 
-    def __init__(self, link: Any, cond: threading.Condition, proto: Any, rings: Any = None) -> None:
+    def __init__(self, link: Any, cond: threading.Condition, proto: Any, rings: Any = None,
+                 lock: Any = None) -> None:
         self._link = link
         self._rings = rings
         self._cond = cond
+        self._lock = cond if lock is None else lock  # the lock under ``cond``, held directly in add()
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
         self._last_flush = 0.0  # time.monotonic() of the last release message
@@ -61,7 +65,7 @@ class ReleaseQueue:
         not during it) or :data:`RELEASE_BATCH` are waiting; otherwise the flusher thread sends it
         with the others of its burst, within :data:`RELEASE_DELAY`, or ``recv`` does when it is
         about to wait and nothing has arrived."""
-        with self._cond:
+        with self._lock:
             if not self._proto.released(lease_id):
                 return  # over: the peer completes every lease itself
             rings = self._rings

@@ -43,7 +43,8 @@ half of the protocol state that says what this end lent (chunks announced, layou
 layouts reach the peer in the order they are defined; ``send_failed``), and the memo table. ``_state`` (a
 Condition): the other half of the protocol state (phase, leases lent and held, the peer's chunks and
 layouts: :meth:`ConnectionState.receive` is called under it), the queue of arrived arrays and the
-:class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it.
+:class:`._releases.ReleaseQueue`'s pending ids; waiters in ``recv`` sleep on it. ``_state_lock`` is the RLock
+``_state`` is over, held directly (the same lock) on the paths every hand-off takes.
 
 The shared-memory ring (:mod:`._ring`; both ends offered it at the handshake). Its four kinds of calls are
 serialised by the locks above: ``push_repeat`` (a repeat without meta, :meth:`._lending.Lending._push`) under
@@ -225,9 +226,12 @@ class Channel(Lending, Reading):
             self._link.sent = 1  # the ring message went out in the handshake: socket message 0
         self._send_lock = self._link.lock
         self._weak = weakref.ref(self)  # shared by every Hold, and the reader's only reference (see there)
-        self._state = threading.Condition()  # over an RLock: see Note [channel threads and fork]
+        # A Condition over an RLock (Note [channel threads and fork]); the paths every hand-off takes hold the
+        # lock itself (``_state_lock``: Condition.__enter__ is one Python call more), the others the Condition.
+        self._state_lock = threading.RLock()
+        self._state = threading.Condition(self._state_lock)
         self._memos = MemoTable(self._send_lock)
-        self._releases = ReleaseQueue(self._link, self._state, self._proto, rings)
+        self._releases = ReleaseQueue(self._link, self._state, self._proto, rings, self._state_lock)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
@@ -238,7 +242,7 @@ class Channel(Lending, Reading):
         self._owner = _forks.pid  # only this process may use the channel (Note [channel threads and fork])
         self._conn = _Conn(sock, self._frames, self._proto, self._state, self._link, self._releases, self._memos,
                            self._carrier, self._read_lock, self._owner, f"channel to peer pid {peer.pid}", max_queued,
-                           rings=rings)
+                           rings=rings, state_lock=self._state_lock)
         # Ring releases for those who wait on a lease (Note [waking for releases], in ._ring); None: no ring.
         self._waits = ReleaseWaits(self._conn) if rings is not None else None
         self._queue: collections.deque[_Queued] = self._conn.queue

@@ -48,7 +48,8 @@ def _after_fork_in_child() -> None:
     each inherited pool gets a new one; and nothing of an inherited pool is released at the child's exit
     (its chunks are the parent's; a device pool's cannot be touched after fork anyway)."""
     for pool in list(LIVE_POOLS):
-        pool._cond = threading.Condition()
+        pool._lock = threading.RLock()
+        pool._cond = threading.Condition(pool._lock)
         pool._finalizer.atexit = False
     LIVE_POOLS.clear()
 
@@ -199,7 +200,10 @@ class SharedPool:
         self.device: int | None = device
         self.chunk_bytes = _round_up(chunk_bytes, ALIGN)
         self.max_bytes = max_bytes
-        self._cond = threading.Condition()
+        # ``with self._lock`` on the paths every hand-off takes (Condition.__enter__ is one Python call more);
+        # ``_cond`` (over the same lock) where something waits or is woken.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._chunks: list[_Chunk] = []
         self._closed = False
         self._channels: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -354,7 +358,7 @@ class SharedPool:
     def _ref_live(self, blocks: Sequence[Block]) -> bool:
         """:meth:`_ref` each of ``blocks`` under one hold of the lock if every one is still allocated
         (a lease's blocks lent again); else ref none and return False."""
-        with self._cond:
+        with self._lock:
             if self._closed or not all(map(_LIVE, blocks)):
                 return False
             for b in blocks:
@@ -366,7 +370,7 @@ class SharedPool:
 
     def _unref_many(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block under one hold of the lock; a block no one holds is freed."""
-        with self._cond:
+        with self._lock:
             freed = False
             for block in blocks:
                 block.refs -= 1
