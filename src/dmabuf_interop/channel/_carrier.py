@@ -157,18 +157,22 @@ class FdCarrier:
         else:
             with bulk(len(descs)):
                 out = [Received(hold, d, chunks[d.chunk]) for d in descs]
-        for r in out:
-            if r.ordering == "event":
-                from .. import _driver as driver
+        # The item whose event the stream waits on (one covers every item of the message): a repeat's ordering is
+        # every item's, else each item has its own (as Received.ordering says).
+        if ordering is not None:
+            r = out[0] if ordering == "event" else None
+        else:
+            r = next((x for x in out if x.descriptor.ordering == "event"), None)
+        if r is not None:
+            from .. import _driver as driver
 
-                raw = r.descriptor.event_handle()
-                driver.set_current(r.device)
-                ev = self._opened_events.get(raw)
-                if ev is None:
-                    ev = driver.ipc_open_event_handle(raw)
-                    self._opened_events[raw] = ev
-                driver.stream_wait_event(stream, ev)
-                break  # one event covers every item of the message
+            raw = r.descriptor.event_handle()
+            driver.set_current(r.device)
+            ev = self._opened_events.get(raw)
+            if ev is None:
+                ev = driver.ipc_open_event_handle(raw)
+                self._opened_events[raw] = ev
+            driver.stream_wait_event(stream, ev)
         return out
 
     def on_end(self) -> None:

@@ -19,7 +19,6 @@ from .. import _forks
 from .._time import deadline_after
 from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError,
                       WaitTimeoutError)
-from ..fdpass import _broken_send
 from ._reader import _ring_releases
 from ._ring_region import LEASE_LIMIT
 from .lease import Lease, next_lease_id
@@ -188,7 +187,9 @@ class Lending:
         messages that went out before it (the peer handles it between those and the next); False: the ring
         is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket."""
         link = self._link
-        if not self._proto.can_send or link.sock in _broken_send:
+        # (A message cut off by a send of this channel made can_send false under this lock: no need to ask
+        # fdpass's table of broken sockets, a weak dictionary, whose lookup makes a weakref every call.)
+        if not self._proto.can_send:
             raise link.ended()
         if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
             return False  # (past what a slot holds: by the socket)

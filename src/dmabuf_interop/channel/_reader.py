@@ -628,7 +628,8 @@ class Reading:
                                         f"{type(exc).__name__}: {exc}"))
             self._end()
         finally:
-            close_fds(fds)
+            if fds:  # (a ring slot's are none)
+                close_fds(fds)
 
     def _handle(self, msg: dict[str, Any] | RingSlot, fds: list[int]) -> None:
         """Hand one message (or ring slot) to the protocol state and act on its events: arrays are queued

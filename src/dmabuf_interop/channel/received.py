@@ -255,14 +255,16 @@ class Received:
         ``synchronize=False`` skips that, for a caller that has synchronised already
         (:func:`release_all` does it once for many).
         """
-        if self.released:
+        hold = self._hold
+        if self._done or not hold.alive:  # (released: the property's test, without the property's call)
             return
-        if synchronize and self.device >= 0 and self._stream is not None:
+        device = self._chunk.device
+        if synchronize and device >= 0 and hold.stream is not None:
             from .. import _driver as driver
 
-            driver.set_current(self.device)
-            driver.stream_synchronize(self._stream)
-        self._hold.release((self,))
+            driver.set_current(device)
+            driver.stream_synchronize(hold.stream)
+        hold.release((self,))
 
     def __enter__(self) -> "Received":
         return self
