@@ -754,8 +754,12 @@ def test_a_blocking_recv_takes_the_slot_first_and_reads_its_wake_up_at_its_next_
             leases: list[Any] = []
             for k in range(3):
                 a[0] = k
-                timer = threading.Timer(0.1, lambda: leases.append(prod.send(a, timeout=5)))
-                timer.start()  # the consumer is asleep in recv by then: the slot's publish wakes it
+                def send_once_asleep() -> None:  # (the slot's publish then wakes the consumer)
+                    _until(lambda: _atomic.load(cons._rings._mine, ASLEEP) != 0, 5)
+                    leases.append(prod.send(a, timeout=5))
+
+                timer = threading.Thread(target=send_once_asleep)
+                timer.start()
                 with cons.recv(5) as r:
                     assert int(r.as_array()[0]) == k
                 timer.join(5)
@@ -792,6 +796,55 @@ def test_the_queue_bound_parks_ring_slots_then_the_socket_fills(tmp_path: Path, 
             assert got == [lz.id for lz in leases]  # lease ids: the order the producer lent them in
             for lz in leases:
                 lz.wait(5)
+
+
+def test_a_parked_reader_still_sees_the_releases_of_repeats_sent_without_waiting(tmp_path: Path, monkeypatch) -> None:
+    """Both ends lend; the producer's reader is parked at ``max_queued`` (it does not receive the consumer's
+    arrays). It sends more repeats than the consumer's release ring holds without waiting on any: the consumer's
+    releases must not overflow to the socket, which the parked reader does not read, or the next wait times out."""
+    monkeypatch.setattr(rendezvous, "RING_RELEASE_SLOTS", 16)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "k.sock"), pool)
+        with lst, prod, cons:
+            a = pool.empty(8, "int64")
+            first = prod.send(a, timeout=5)  # defines the layout; the producer's reader runs from here
+            cons.recv(5).release()
+            first.wait(5)
+            prod.max_queued = 1
+            back = [cons.send(np.arange(2) + k, timeout=5) for k in range(3)]  # never received: the reader parks
+            assert _until(lambda: prod._conn.parked, 5)
+            for _ in range(16 * 3):
+                prod.send(a, timeout=5)  # repeats, never waited on
+                cons.recv(5).release()
+            last = prod.send(a, timeout=5)
+            cons.recv(5).release()
+            last.wait(5)
+            assert last.reason == "released" and prod.outstanding == 0
+            for _ in back:
+                prod.recv(5).release()
+            for lz in back:
+                lz.wait(5)
+
+
+def test_recv_from_a_full_queue_always_wakes_the_parked_reader(tmp_path: Path) -> None:
+    """``recv`` that takes an array from a queue at ``max_queued`` wakes the parked reader after the array left
+    the queue: a reader woken before would see the queue still full and sleep for good (recv then timed out with
+    arrays parked, about one trial in three)."""
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        for trial in range(20):
+            lst, prod, cons = _pair(str(tmp_path / f"u{trial}.sock"), pool)
+            with lst, prod, cons:
+                lease = prod.send(pool.empty(8, "int64"), timeout=5)  # the producer's reader runs from here
+                cons.recv(5).release()
+                lease.wait(5)
+                prod.max_queued = 1
+                back = [cons.send(np.arange(2) + k, timeout=5) for k in range(4)]
+                assert _until(lambda: prod._conn.parked, 5)
+                for k in range(4):
+                    with prod.recv(5) as r:
+                        assert int(r.as_array()[0]) == k
+                for lz in back:
+                    lz.wait(5)
 
 
 # --- the wake fd: its flags are not the peer's to turn against this end (Note [the wake fd] in _ring) -------

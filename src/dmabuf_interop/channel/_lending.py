@@ -90,8 +90,16 @@ class Lending:
             raise self._link.ended()
         # The blocks of leases released come back before anything new is placed; a placement lent again takes
         # none (its blocks are there), which leaves them to a wait, a poll or the reader (Note [waking for
-        # releases], in ._ring): fewer steps between the call and the slot.
-        take = self._take_ring_releases if self._rings is not None and self._rings.attached else None
+        # releases], in ._ring): fewer steps between the call and the slot. Unless the peer's release ring is
+        # half full: a full one sends its releases by the socket, behind whatever arrays this end's reader has
+        # not read (a reader parked at max_queued reads nothing), and a wait would then never see them.
+        take = None
+        rings = self._rings
+        if rings is not None and rings.attached:
+            take = self._take_ring_releases
+            if rings.releases_backlogged():
+                take()
+                take = None
         prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
                        batch is not None, self.share_segments, self._auto, take)
         try:

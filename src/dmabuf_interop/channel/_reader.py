@@ -400,9 +400,12 @@ class Reading:
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
                         raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
+                    got = self._queue.popleft()
                     if self._conn.parked:  # the reader waits for room (set under this lock)
+                        # After the pop: the write lets the GIL go, and a reader woken before it would find the
+                        # queue still full, poll again and never be woken.
                         os.eventfd_write(self._conn.wake_fd, 1)
-                    return self._queue.popleft()
+                    return got
                 if self._proto.closed_here:
                     raise self._link.ended()  # ClosedError: not the peer's doing
                 if self._proto.over:

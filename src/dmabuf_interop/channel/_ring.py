@@ -29,8 +29,9 @@ Note [waking for releases]. An end's ``asleep`` has two sleeping values (:data:`
 :data:`SLEEP_SLOTS` 2). A writer of slots wakes a sleeper on any nonzero value; a writer of releases only on
 1 (and on any value other than 0 and 2: a peer's unknown value counts as 1). Why: an exporter's reader sleeps
 almost all the time, and a release woke it at every hand-off (a ``send`` on the importer, a thread wake-up and
-the GIL on the exporter), though a pipelined producer takes them itself (in a wait, or a ``send`` that places
-something new). Only
+the GIL on the exporter), though a pipelined producer takes them itself (in a wait, in a ``send`` that places
+something new, or in any ``send`` once they fill half the peer's release ring: :meth:`Rings.releases_backlogged`).
+Only
 someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
 for a release and it sent within the bound below (:func:`._reader._sleep_on_ring`), and a thread about to wait
 (``Lease.wait``, ``SharedPool.alloc`` waiting for room: :class:`._reader.ReleaseWaits`) counts itself in, then
@@ -511,6 +512,13 @@ class Rings:
         if asleep and asleep != SLEEP_SLOTS:  # Note [waking for releases]: 2 wants slots only
             self._wake()
         return list(ids[n:])
+
+    def releases_backlogged(self) -> bool:
+        """Whether the release ids the peer has published past this end's head fill half its release ring or
+        more: one acquire load, unchecked and maybe stale (a hint for when to :meth:`take_releases`, which checks
+        them); False when no peer region is attached."""
+        peer = self._peer
+        return peer is not None and _load(peer, REL_TAIL) - self._rel_head >= self._peer_release_slots >> 1
 
     def take_releases(self) -> list[int]:
         """The lease ids the peer published since the last call (at most its ``release_slots``), in order,

@@ -54,7 +54,8 @@ serialised by the locks above: ``push_repeat`` (a repeat without meta, :meth:`._
 (:meth:`._reader.Reading._arrived` merges the slots with the socket messages in the peer's order); and
 ``push_releases``, ``take_releases`` and ``want_releases`` under ``_state`` (the importer's releases, from any
 thread; the exporter takes them in its reader after each wake-up, in a ``send`` before it places anything new
-(:meth:`._lending.Lending._take_ring_releases`; a placement lent again needs no room and takes none), and in
+(:meth:`._lending.Lending._take_ring_releases`; a placement lent again needs no room and takes none unless they
+fill half the peer's release ring), and in
 whatever thread waits for a lease or for pool room
 (:class:`._reader.ReleaseWaits`: Note [waking for releases], in :mod:`._ring`)). The peer's ``ring`` message is
 attached, and the rings closed at the end of the connection, under ``_state`` (the end also holds ``_send_lock``).
