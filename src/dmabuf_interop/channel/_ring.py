@@ -31,8 +31,7 @@ Note [waking for releases]. An end's ``asleep`` has two sleeping values (:data:`
 almost all the time, and a release woke it at every hand-off (a ``send`` on the importer, a thread wake-up and
 the GIL on the exporter), though a pipelined producer takes them itself (in a wait, in a ``send`` that places
 something new, or in any ``send`` once they fill half the peer's release ring: :meth:`Rings.releases_backlogged`).
-Only
-someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
+Only someone who WAITS for a release needs the wake-up. So the exporter's reader sleeps in 2 while no thread waits
 for a release and it sent within the bound below (:func:`._reader._sleep_on_ring`), and a thread about to wait
 (``Lease.wait``, ``SharedPool.alloc`` waiting for room: :class:`._reader.ReleaseWaits`) counts itself in, then
 calls :meth:`Rings.want_releases`: it stores 1 over a 2 (seq_cst), then loads the peer's ``rel_tail``
@@ -54,7 +53,9 @@ itself), at the cost of at most one wake-up per bound while a producer keeps sen
 Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
 ``try_push`` (and ``push_repeat``); ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
 ``take_releases`` and ``want_releases``. Each group writes its own counters, so the four may run in four
-threads (``sleep_begin`` reads ``take_releases``'s head: a stale value only makes it decline to sleep).
+threads (``sleep_begin`` reads ``take_releases``'s head: a stale value only makes it decline to sleep;
+``releases_backlogged``, called by any sender, reads it too: a stale value only makes it take the releases a
+call early or late).
 ``want_releases`` also stores ``asleep`` (1 over a 2) beside the sleeper: a store of 1 after the sleeper woke
 leaves an awake end marked asleep until its next ``sleep_begin`` or ``sleep_end``, which costs the peer a
 spare wake-up and nothing else. ``attach`` and ``close`` run alone.
