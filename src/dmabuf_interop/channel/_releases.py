@@ -37,19 +37,18 @@ class ReleaseQueue:
 
     Args:
         link: the channel's :class:`._link.Link` (its writer, whose lock is the send lock).
-        cond: the channel's state lock, under which ``pending`` changes.
+        cond: the channel's state Condition, under which ``pending`` changes.
+        lock: the lock ``cond`` is over, held directly by :meth:`add`, which every release takes (a
+            Condition's ``with`` is one Python call more).
         proto: the channel's :class:`._state.ConnectionState` (nothing is due once it is over).
         rings: the channel's :class:`._ring.Rings` (``None``: no ring), used once the peer's is attached.
-        lock: the lock ``cond`` is over (``None``: ``cond``), held directly by :meth:`add`, which every
-            release takes (a Condition's ``with`` is one Python call more).
     """
 
-    def __init__(self, link: Any, cond: threading.Condition, proto: Any, rings: Any = None,
-                 lock: Any = None) -> None:
+    def __init__(self, link: Any, cond: threading.Condition, lock: Any, proto: Any, rings: Any = None) -> None:
         self._link = link
         self._rings = rings
         self._cond = cond
-        self._lock = cond if lock is None else lock  # the lock under ``cond``, held directly in add()
+        self._lock = lock
         self._proto = proto
         self.pending: list[int] = []  # lease ids (changed under cond)
         self._last_flush = 0.0  # time.monotonic() of the last release message

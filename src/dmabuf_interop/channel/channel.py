@@ -232,7 +232,7 @@ class Channel(Lending, Reading):
         self._state_lock = threading.RLock()
         self._state = threading.Condition(self._state_lock)
         self._memos = MemoTable(self._send_lock)
-        self._releases = ReleaseQueue(self._link, self._state, self._proto, rings, self._state_lock)
+        self._releases = ReleaseQueue(self._link, self._state, self._state_lock, self._proto, rings)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background
         # reader, which keeps it from its start to the end of the connection.
