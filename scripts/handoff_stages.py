@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -94,10 +95,16 @@ def main() -> int:
     p.add_argument("--pause", type=float, default=300e-6, help="seconds the producer pauses before each send")
     p.add_argument("--size", type=int, default=1 << 20, help="bytes per block (default 1 MiB)")
     args = p.parse_args()
+    folder = tempfile.mkdtemp(prefix="handoff-stages-")
+    try:
+        return _run(args, folder)
+    finally:  # (the consumer's process leaves by os._exit: only this one runs it)
+        shutil.rmtree(folder, ignore_errors=True)
 
+
+def _run(args: argparse.Namespace, folder: str) -> int:
     from dmabuf_interop.channel import _link, _ring
 
-    folder = tempfile.mkdtemp(prefix="handoff-stages-")
     addr, out = os.path.join(folder, "c.sock"), os.path.join(folder, "consumer.json")
     go_r, go_w = os.pipe()
     pid = os.fork()  # (before any CUDA call in this process)
@@ -116,9 +123,7 @@ def main() -> int:
     from dmabuf_interop.channel import SharedPool, listen
 
     left = [0]
-    push = getattr(_ring.Rings, "push_repeat", None) or _ring.Rings.try_push
-    push_name = "push_repeat" if hasattr(_ring.Rings, "push_repeat") else "try_push"
-    send_locked = _link.Link.send_locked
+    push, send_locked = _ring.Rings.push_repeat, _link.Link.send_locked
 
     def timed_push(self, *a, **k):  # type: ignore[no-untyped-def]
         got = push(self, *a, **k)
@@ -130,8 +135,7 @@ def main() -> int:
         left[0] = _mono()
         return got
 
-    setattr(_ring.Rings, push_name, timed_push)
-    _link.Link.send_locked = timed_send_locked
+    _ring.Rings.push_repeat, _link.Link.send_locked = timed_push, timed_send_locked
     pool = SharedPool(None if args.host else args.device, chunk_bytes=64 << 20,
                       max_bytes=max(64 << 20, (_RING_BLOCKS + 1) * args.size + (2 << 20)))
     t0s: list[int] = []
