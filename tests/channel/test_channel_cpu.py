@@ -692,6 +692,22 @@ def test_single_sends_of_pool_arrays_are_remembered_per_array(addr: str, pool: S
         x.close()
 
 
+def test_views_of_one_pool_array_are_remembered_by_address_and_layout(addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(8, "int32")
+    a[:] = np.arange(8)
+    views = [a, a[1:], a[::-1], a[::2], a[1::2], a[1:]]  # the last: a new view object of a layout sent before
+    for rep in range(2):
+        for v in views:
+            lease = prod.send(v)
+            with cons.recv(5) as r:
+                assert (r.as_array() == v).all()
+            lease.wait(5)
+    assert len(prod._memos) == 4  # a[::-1] is copied each time (negative strides), never remembered
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
     """On the socket (no shared-memory ring: its releases need no message), a busy consumer's releases share
     messages."""

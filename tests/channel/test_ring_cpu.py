@@ -178,6 +178,19 @@ def test_atomic_checks_bounds_alignment_and_writability():
         _atomic.load(buf, 0)
 
 
+def test_atomic_address_is_numpys_data_pointer():
+    import numpy as np
+
+    from dmabuf_interop import _atomic
+
+    a = np.arange(120, dtype=np.float32)
+    for view in (a, a[7:], a[::-3], a.reshape(10, 12).T, a.reshape(10, 12)[2:, 3:], a[:0], np.zeros((3, 0)),
+                 a.view(np.uint8)[1:], np.frombuffer(bytes(16), np.uint8)):
+        assert _atomic.address(view) == view.ctypes.data
+    with pytest.raises(TypeError):
+        _atomic.address(5)
+
+
 def _memfd(size: int) -> int:
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)

@@ -24,6 +24,23 @@ from .protocol import DTYPES, MAX_INT, MAX_ITEMS, MAX_META_BYTES, MAX_NAME_CHARS
 __all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
            "place", "signatures", "wire_descs", "MAX_MEMOS"]
 
+try:  # speed trick: a NumPy array's address in one C call (``ndarray.ctypes.data`` builds a ctypes object: ~4 us)
+    from .._atomic import address as _address
+except ImportError:  # the extension is optional (it carries the shared-memory ring)
+    def _address(array: Any) -> int:
+        return array.ctypes.data
+
+_NO_ADDRESS = (BufferError, TypeError, ValueError)  # an exporter that refuses the buffer protocol's strided form
+
+
+def _numpy_address(array: Any) -> int:
+    """The address of a NumPy array's first element."""
+    try:
+        return _address(array)
+    except _NO_ADDRESS:
+        return array.ctypes.data
+
+
 #: Most placements a channel remembers for arrays sent again (:class:`Memo`).
 MAX_MEMOS = 256
 
@@ -119,7 +136,7 @@ def inspect_array(array: Any) -> Source:
     name = _NUMPY_NAMES.get(array.dtype)
     if name is None:
         name = _numpy_name(array.dtype)
-    return Source(array.ctypes.data, array.shape, array.strides, name, -1, array)
+    return Source(_numpy_address(array), array.shape, array.strides, name, -1, array)
 
 
 def _refused(shown: Any) -> InvalidArgumentError:
@@ -222,7 +239,11 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
         if kind == 1:  # (a lazy conjugate or negative view of the same memory is another array)
             append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
         elif kind == 2:
-            append((a.ctypes.data, a.shape, a.strides, a.dtype))
+            try:
+                ptr = _address(a)
+            except _NO_ADDRESS:
+                ptr = a.ctypes.data
+            append((ptr, a.shape, a.strides, a.dtype))
         elif kind == 3:
             append((3, a.ptr, a.shape, a.strides, a.dtype))  # strides in items: never equal to NumPy's
         else:
