@@ -13,6 +13,7 @@ __all__ = ["check_timeout", "deadline_after", "remaining"]
 #: The longest wait the platform's locks and sockets take (``threading.TIMEOUT_MAX``, about 292 years);
 #: a longer timeout, ``math.inf`` included, waits forever, as ``None`` does.
 LONGEST = threading.TIMEOUT_MAX
+_monotonic = time.monotonic
 
 
 def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
@@ -43,8 +44,11 @@ def deadline_after(timeout: float | None) -> float | None:
     Raises:
         InvalidArgumentError: not a number, negative, or NaN.
     """
+    t = type(timeout)
+    if (t is float or t is int) and 0 <= timeout < LONGEST:  # speed trick: the usual timeout, in this one call
+        return _monotonic() + timeout
     timeout = check_timeout(timeout)
-    return None if timeout is None else time.monotonic() + timeout
+    return None if timeout is None else _monotonic() + timeout
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -41,7 +41,7 @@ class Lending:
         if self._proto.is_announced(chunk.id):
             return
         link = self._link
-        if not link.acquire(link.wait_for(deadline)):
+        if not link.acquire_by(deadline):
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:  # checked again: two threads may lend blocks of a new chunk at once
             if not self._proto.is_announced(chunk.id):
@@ -100,14 +100,15 @@ class Lending:
             if rings.releases_backlogged():
                 take()
                 take = None
-        prep = prepare(self.pool, self._memos, names, arrays, stream_handle(stream), timeout, ordering,
-                       batch is not None, self.share_segments, self._auto, take)
-        try:
-            for block in prep.heads:
-                self._announce(block, deadline)
-        except BaseException:
-            prep.unref()
-            raise
+        prep = prepare(self.pool, self._memos, names, arrays, 0 if stream is None else stream_handle(stream),
+                       timeout, ordering, batch is not None, self.share_segments, self._auto, take)
+        if not prep.again:  # (a placement lent again lies in chunks the peer has: a retire forgets it)
+            try:
+                for block in prep.heads:
+                    self._announce(block, deadline)
+            except BaseException:
+                prep.unref()
+                raise
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events, self._waits)
@@ -144,7 +145,7 @@ class Lending:
         (:meth:`_push`), else by the socket."""
         link = self._link
         if memo is not None:
-            if not link.acquire(link.wait_for(deadline)):
+            if not link.acquire_by(deadline):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
                 if self._memos.is_current(memo):
@@ -159,7 +160,7 @@ class Lending:
                                p.dtype) for p in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
-        if not link.acquire(link.wait_for(deadline)):
+        if not link.acquire_by(deadline):
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:
             choice = self._proto.choose_layout(key, single=mapping is None)

@@ -54,6 +54,14 @@ class Link:
             return True
         return False
 
+    def acquire_by(self, deadline: float | None) -> bool:
+        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``."""
+        lock = self.lock
+        if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
+            self.owner = _get_ident()
+            return True
+        return False
+
     def try_acquire(self) -> bool:
         """Take the send lock if it is free."""
         if self.lock.acquire(False):

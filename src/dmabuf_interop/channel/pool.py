@@ -359,7 +359,15 @@ class SharedPool:
         """:meth:`_ref` each of ``blocks`` under one hold of the lock if every one is still allocated
         (a lease's blocks lent again); else ref none and return False."""
         with self._lock:
-            if self._closed or not all(map(_LIVE, blocks)):
+            if self._closed:
+                return False
+            if len(blocks) == 1:  # (a send()'s: no map and all)
+                b = blocks[0]
+                if not b.live:
+                    return False
+                b.refs += 1
+                return True
+            if not all(map(_LIVE, blocks)):
                 return False
             for b in blocks:
                 b.refs += 1
