@@ -24,6 +24,11 @@ _BATCH = operator.attrgetter("_batch")
 _SIGNED = {1: "int8", 2: "int16", 4: "int32"}
 
 
+#: Guards every Hold's count of items left: held for a few lines, and one lock per message would cost a receive
+#: its allocation (1-2 us in a process idle between messages).
+_COUNTS = threading.Lock()
+
+
 def _NOBODY() -> None:
     """A dead channel reference: a hold that owes the peer no release."""
     return None
@@ -43,7 +48,7 @@ class Hold:
     one reference on each chunk they lie in. One per message, so a batch of thousands pays one
     safety net; ``__del__`` rather than ``weakref.finalize``, which costs a registration per message."""
 
-    __slots__ = ("left", "lock", "alive", "channel", "chunks", "lease_id", "stream", "ordering", "__weakref__")
+    __slots__ = ("left", "alive", "channel", "chunks", "lease_id", "stream", "ordering", "__weakref__")
 
     def __init__(self, channel: Any, lease_id: int, chunks: list[Any], items: int,
                  stream: int = 0, ordering: str | None = None, *, owes: bool = True, adopt: bool = False) -> None:
@@ -52,7 +57,6 @@ class Hold:
         self.stream = stream  # the stream given to recv: made to wait on the event; synchronised by release
         self.ordering = ordering  # a repeated layout's: its descriptors keep their first ordering
         self.left = items
-        self.lock = threading.Lock()
         # The channel's own weakref object: one the hold made would be cleared before __del__ runs
         # when the hold dies in a reference cycle, and the release would be lost.
         # ``owes``: the peer's lease is released when the items are (not so for items read into local
@@ -67,7 +71,7 @@ class Hold:
         self.alive = True
 
     def release(self, items: "Iterable[Received]") -> None:
-        with self.lock:
+        with _COUNTS:
             for r in items:
                 if not r._done:
                     r._done = True
