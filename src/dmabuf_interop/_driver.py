@@ -709,7 +709,8 @@ def stream_idle(stream: int) -> bool:
     Raises:
         CudaError: any other result (a bad stream handle, a sticky error).
     """
-    err = bindings().cuStreamQuery(_stream_object(stream))[0]
+    obj = _streams.get(stream)  # (a send calls this: the table inline, no two calls before the driver's)
+    err = (_drv if _drv is not None else bindings()).cuStreamQuery(_stream_object(stream) if obj is None else obj)[0]
     if err is _cuda_success:
         return True
     if err == _drv.CUresult.CUDA_ERROR_NOT_READY:
