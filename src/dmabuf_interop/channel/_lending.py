@@ -23,7 +23,7 @@ from ._reader import _ring_releases
 from ._ring_region import LEASE_LIMIT
 from .lease import Lease, next_lease_id
 from .pool import Block
-from .sending import Memo, Placed, check_meta, prepare, stream_handle, wire_descs
+from .sending import Memo, Placed, check_meta, order_writes, prepare, stream_handle, wire_descs
 from .wire import encode_repeat
 
 __all__ = ["Lending"]
@@ -95,13 +95,25 @@ class Lending:
         # not read (a reader parked at max_queued reads nothing), and a wait would then never see them.
         take = None
         rings = self._rings
+        h = 0 if stream is None else stream_handle(stream)
         if rings is not None and rings.attached:
             take = self._take_ring_releases
             if rings.releases_backlogged():
                 take()
                 take = None
-        prep = prepare(self.pool, self._memos, names, arrays, 0 if stream is None else stream_handle(stream),
-                       timeout, ordering, batch is not None, self.share_segments, self._auto, take)
+            if batch is None and meta is None:
+                # The steady state, in as few calls as it can be (load-bearing: each costs a process woken for
+                # the send about a microsecond): one array lent again where it lay, pushed into the ring.
+                memo = self._memos.single_again(arrays[0])  # (its block referenced again)
+                if memo is not None:
+                    try:
+                        order, event, events = order_writes(memo.dev_pool, h, ordering)
+                    except BaseException:
+                        memo.by_pool[0][0]._unref_many(memo.blocks)
+                        raise
+                    return self._lend_out(memo.blocks, memo.placed, None, order, event, events, None, memo, deadline)
+        prep = prepare(self.pool, self._memos, names, arrays, h, timeout, ordering, batch is not None,
+                       self.share_segments, self._auto, take)
         if not prep.again:  # (a placement lent again lies in chunks the peer has: a retire forgets it)
             try:
                 for block in prep.heads:
@@ -109,28 +121,53 @@ class Lending:
             except BaseException:
                 prep.unref()
                 raise
+        return self._lend_out(prep.blocks, prep.placed, batch, prep.order, prep.event, prep.events, meta, prep.memo,
+                              deadline)
+
+    def _lend_out(self, blocks: list[Block], placed: list[Placed], batch: str | None, order: str, event: Any,
+                  events: Any, meta: dict[str, Any] | None, memo: Memo | None, deadline: float | None) -> Lease:
+        """Lend ``blocks`` (each referenced for the lease) under a new lease, and send the message that does:
+        a ring slot for one array lent again (:meth:`_push_again`), else :meth:`_send_batch`, or an ``array``
+        message for one copied into a new block (no ``memo``). On failure the lease is completed ``"closed"``."""
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
-        lease = Lease(next_lease_id(), prep.blocks, prep.event, prep.events, self._waits)
-        ev64 = base64.b64encode(prep.event[1]).decode() if prep.event is not None else None
+        lease = Lease(next_lease_id(), blocks, event, events, self._waits)
         with self._state_lock:
             self._proto.lend(lease.id, lease)
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
+        raw = None if event is None else event[1]
         try:
-            if batch is None and prep.memo is None:  # copied into a new block: nothing to repeat, no layout
+            if batch is None and memo is not None and meta is None and self._push_again(lease.id, memo, order, raw,
+                                                                                          deadline):
+                return lease
+            ev64 = base64.b64encode(raw).decode() if raw is not None else None
+            if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
                 link = self._link
                 wait = link.wait_for(deadline)
                 link.send({"kind": "array", "lease": lease.id,
-                           "desc": wire_descs(prep.placed, prep.order, ev64, meta)[0]}, timeout=wait)
+                           "desc": wire_descs(placed, order, ev64, meta)[0]}, timeout=wait)
             else:
-                self._send_batch(lease.id, prep.placed, None if batch is None else batch == "mapping", prep.order,
-                                 ev64, meta, prep.memo, deadline, None if prep.event is None else prep.event[1])
+                self._send_batch(lease.id, placed, None if batch is None else batch == "mapping", order, ev64, meta,
+                                 memo, deadline, raw)
         except BaseException:
             with self._state:
                 self._proto.unlend(lease.id)
             lease._complete("closed")
             raise
         return lease
+
+    def _push_again(self, lease_id: int, memo: Memo, order: str, event: bytes | None, deadline: float | None) -> bool:
+        """Publish a repeat of ``memo``'s layout in the ring (:meth:`_push`, under the send lock); False: not
+        published (no ring, the memo's layout no longer the peer's, the ring full), for :meth:`_send_batch`."""
+        if self._rings is None:
+            return False
+        link = self._link
+        if not link.acquire_by(deadline):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        try:
+            return self._memos.is_current(memo) and self._push(lease_id, memo.layout, order, event)
+        finally:
+            link.release()
 
     def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
                     meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,
@@ -145,12 +182,12 @@ class Lending:
         (:meth:`_push`), else by the socket."""
         link = self._link
         if memo is not None:
+            if mapping is not None and meta is None and self._push_again(lease_id, memo, order, event, deadline):
+                return  # (one array's: _lend_out tried the ring)
             if not link.acquire_by(deadline):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
                 if self._memos.is_current(memo):
-                    if meta is None and self._rings is not None and self._push(lease_id, memo.layout, order, event):
-                        return
                     link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
                                      timeout=link.wait_for(deadline))
                     return

@@ -21,7 +21,7 @@ from .arrays import STORAGE, DeviceView, HostView, c_strides, shown_dtype, stora
 from .pool import LIVE_POOLS, Block, SharedPool
 from .protocol import DTYPES, MAX_INT, MAX_ITEMS, MAX_META_BYTES, MAX_NAME_CHARS, MAX_NDIM
 
-__all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
+__all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "order_writes", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
            "place", "signatures", "wire_descs", "MAX_MEMOS"]
 
 try:  # speed trick: a NumPy array's address in one C call (``ndarray.ctypes.data`` builds a ctypes object: ~4 us)
@@ -447,6 +447,20 @@ class MemoTable:
             done.append((pool, blocks))
         return memo.placed, sigs, memo
 
+    def single_again(self, array: Any) -> "Memo | None":
+        """:meth:`lend_again` of one array sent alone (``send``), in fewer steps (a sender's hot path): its memo,
+        the block referenced again, or ``None`` (no such placement remembered, or its block was freed)."""
+        sigs = _signatures((array,))
+        memo = self._memos.get((False, sigs)) if sigs is not None else None  # (Memo.key_of of one unnamed array)
+        if memo is None:
+            return None
+        pool, blocks = memo.by_pool[0]
+        if pool._ref_live(blocks):
+            return memo
+        with self._lock:
+            self.forget(memo)
+        return None
+
     def is_current(self, memo: Memo) -> bool:
         """``memo`` is still the one remembered for its key, with a layout the peer has."""
         return memo.layout is not None and self._memos.get(memo.key) is memo
@@ -558,6 +572,35 @@ class Prepared:
             p.block.pool._unref(p.block)
 
 
+def order_writes(dev_pool: Any, stream: int, ordering: str) -> tuple[str, Any, Any]:
+    """How the peer learns that the writes queued on ``stream`` are done, for arrays of the device pool ``dev_pool``
+    (``None``: host memory, ``"none"``): ``(order, event, events)``. ``ordering`` ``"sync"``:
+    ``cuStreamSynchronize``; ``"event"``: ``"sync"`` as well when ``cuStreamQuery`` finds nothing pending on
+    ``stream``, else ``cuEventRecord`` of an interprocess ``event`` of the pool's ``events``.
+
+    Raises:
+        CudaError: a driver call failed.
+    """
+    if dev_pool is None:
+        return "none", None, None
+    from .. import _driver as driver
+
+    driver.set_current(dev_pool.device)
+    if ordering == "sync":
+        driver.stream_synchronize(stream)
+        return "sync", None, None
+    if driver.stream_idle(stream):
+        return "sync", None, None  # nothing pending on the stream: the writes are complete, no event to wait on
+    events = dev_pool.events
+    event = events.take()
+    try:
+        driver.event_record(event[0], stream)
+    except BaseException:
+        events.give(event)
+        raise
+    return "event", event, events
+
+
 def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], arrays: list[Any], stream: int,
             timeout: float | None, ordering: str, batch: bool, share_segments: bool, auto: Any = None,
             before_place: Callable[[], None] | None = None) -> Prepared:
@@ -604,22 +647,7 @@ def prepare(pool: SharedPool | None, memos: MemoTable, names: list[str | None], 
                 sigs = signatures(arrays)
             if zero_copy and sigs is not None:
                 memo = Memo(names, sigs, placed, dev_pool, batch)
-        event = events = None
-        order = "none"
-        if dev_pool is not None:
-            from .. import _driver as driver
-
-            driver.set_current(dev_pool.device)
-            if ordering == "sync":
-                driver.stream_synchronize(stream)
-                order = "sync"
-            elif driver.stream_idle(stream):
-                order = "sync"  # nothing pending on the stream: the writes are complete, no event to wait on
-            else:
-                events = dev_pool.events
-                event = events.take()
-                driver.event_record(event[0], stream)
-                order = "event"
+        order, event, events = order_writes(dev_pool, stream, ordering)
     except BaseException:
         for p in placed:
             p.block.pool._unref(p.block)
