@@ -1,4 +1,5 @@
-"""The one module that calls the CUDA driver API (through ``cuda.bindings.driver``).
+"""The one module that calls the CUDA driver API (through ``cuda.bindings.driver``, and for the few calls of a
+hand-off's steady state through its compiled helper :mod:`._driver_hot`, on ``cuda.bindings.cydriver``, where built).
 
 Every other module goes through the thin, checked wrappers here, so that:
 
@@ -31,6 +32,9 @@ from typing import Any, Callable
 
 from . import _forks
 from .errors import CudaError, CudaNotSupportedError, ForkedAfterInitError, InvalidArgumentError, NoDriverError
+
+#: :mod:`._driver_hot` once :func:`bindings` has run, where it is built and loads; else ``None``.
+_hot: Any = None
 
 _lock = threading.Lock()
 _drv: Any = None
@@ -75,9 +79,14 @@ def bindings() -> Any:
             raise NoDriverError("import cuda.bindings.driver", "ImportError", -1,
                                 f"cuda-bindings is not installed for {sys.executable} ({exc}); "
                                 f"pip install cuda-bindings", reason="no-bindings") from exc
-        _drv = drv
-        global _cuda_success
+        global _cuda_success, _hot
         _cuda_success = drv.CUresult.CUDA_SUCCESS
+        try:  # load-bearing for a hand-off: its driver calls without cuda.bindings.driver's objects (3-5 us each)
+            from . import _driver_hot as hot
+        except ImportError:  # optional: not built (no Cython or cuda.h at build time), or against other bindings
+            hot = None
+        _hot = hot
+        _drv = drv  # (last: a thread that sees it set sees _hot set)
     return _drv
 
 
@@ -97,6 +106,16 @@ def _stream_object(handle: int) -> Any:
             _streams.clear()
         obj = _streams[handle] = bindings().CUstream(handle)
     return obj
+
+
+def _raise_hot(exc: Exception) -> None:
+    """Raise the typed error for a failed :mod:`._driver_hot` call (``exc.args``: the call, its ``CUresult`` as an int)."""
+    name, code = exc.args
+    try:
+        err = bindings().CUresult(code)
+    except ValueError:  # a result this cuda.bindings does not name: raise_for shows the number
+        err = code
+    raise_for(name, err)
 
 
 def result_name(err: Any) -> str:
@@ -349,6 +368,12 @@ def set_current(ordinal: int) -> Any:
     # raw cuCtxGetCurrent and an identity test of its result (1.9 us through call() on one H200, 0.6 us raw).
     if _cache_pid == _forks.pid and _observer is None:
         known = _cache.get(("ctx", _get_ident(), ordinal))
+        if known is not None and _hot is not None:
+            try:
+                _hot.make_current(known[2])
+            except _hot.DriverCallFailed as exc:
+                _raise_hot(exc)
+            return known[0]
         if known is not None:
             err, cur = _drv.cuCtxGetCurrent()
             if err is not _cuda_success and int(err) != 0:
@@ -709,6 +734,11 @@ def stream_idle(stream: int) -> bool:
     Raises:
         CudaError: any other result (a bad stream handle, a sticky error).
     """
+    if _hot is not None and not _forked_after_init:
+        try:
+            return _hot.stream_idle(stream)
+        except _hot.DriverCallFailed as exc:
+            _raise_hot(exc)
     obj = _streams.get(stream)  # (a send calls this: the table inline, no two calls before the driver's)
     err = (_drv if _drv is not None else bindings()).cuStreamQuery(_stream_object(stream) if obj is None else obj)[0]
     if err is _cuda_success:
@@ -722,6 +752,11 @@ def stream_idle(stream: int) -> bool:
 
 def stream_synchronize(stream: int) -> None:
     """``cuStreamSynchronize`` of the stream handle ``stream``."""
+    if _hot is not None and _observer is None and not _forked_after_init:
+        try:
+            return _hot.stream_synchronize(stream)
+        except _hot.DriverCallFailed as exc:
+            _raise_hot(exc)
     call(bindings().cuStreamSynchronize, _stream_object(stream))
 
 

@@ -29,6 +29,31 @@ def test_nvrtc_is_a_dependency_and_named_where_it_is_missing():
     # else: NVRTC loads here, as it does after `pip install .`
 
 
+def test_the_compiled_driver_calls_are_built_where_cython_and_cuda_h_were():
+    """``pip install`` builds ``_driver_hot`` (its build requirements bring Cython, cuda-bindings' .pxd files and
+    cuda.h); ``DMABUF_INTEROP_REQUIRE_DRIVER_HOT=1`` (CI sets it) makes its absence a failure."""
+    import os
+
+    from dmabuf_interop import _driver
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert any(r.startswith("Cython") for r in requires) and any(r.startswith("nvidia-cuda-runtime") for r in requires)
+    try:
+        from dmabuf_interop import _driver_hot
+    except ImportError as exc:
+        if os.environ.get("DMABUF_INTEROP_REQUIRE_DRIVER_HOT") == "1":
+            pytest.fail(f"dmabuf_interop._driver_hot required but not importable: {exc}")
+        pytest.skip(f"dmabuf_interop._driver_hot is not built here: {exc}")
+    try:
+        _driver.bindings()  # (cuda.bindings imports without a driver; it loads libcuda at the first call)
+    except Exception:  # noqa: BLE001 - no cuda-bindings here: nothing of it to check
+        pass
+    else:
+        assert _driver._hot is _driver_hot
+    assert issubclass(_driver_hot.DriverCallFailed, Exception)
+    assert {"make_current", "stream_idle", "stream_synchronize"} <= set(dir(_driver_hot))
+
+
 def test_package_metadata_and_files():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]

@@ -246,6 +246,32 @@ def test_fork_after_init_raises_a_clear_error():
     assert "child 0" in out.stdout
 
 
+def test_the_compiled_driver_calls_agree_with_cuda_bindings():
+    """Where ``_driver_hot`` is built, ``set_current``, ``stream_idle`` and ``stream_synchronize`` go through it: a
+    context made current again, a stream with work pending, then done."""
+    if driver._hot is None:
+        pytest.skip("dmabuf_interop._driver_hot is not built (Cython and cuda.h are its build requirements)")
+    drv = driver.bindings()
+    driver.set_current(0)
+    primary = int(driver.call(drv.cuCtxGetCurrent))
+    driver.call(drv.cuCtxSetCurrent, drv.CUcontext(0))  # no context current
+    driver.set_current(0)
+    assert int(driver.call(drv.cuCtxGetCurrent)) == primary
+    stream = driver.call(drv.cuStreamCreate, 0)
+    size = 256 << 20
+    ptr = driver.mem_alloc(size)
+    try:
+        for _ in range(16):  # milliseconds of writes: still queued when asked
+            driver.call(drv.cuMemsetD8Async, ptr, 7, size, stream)
+        assert driver.stream_idle(int(stream)) is False
+        driver.stream_synchronize(int(stream))
+        assert driver.stream_idle(int(stream)) is True
+    finally:
+        driver.stream_synchronize(int(stream))
+        driver.mem_free(ptr)
+        driver.call(drv.cuStreamDestroy, stream)
+
+
 def test_probes_report_every_path():
     probes = probe_device(0)
     for key in PROBE_KEYS[:6]:  # the peer probe needs a second GPU
