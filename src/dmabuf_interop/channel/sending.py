@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .. import _driver as driver  # (at module level: an import in a function costs a send ~1.5 us)
 from ..errors import DmaBufError, InvalidArgumentError
 from ._torch_views import BULK_ITEMS, bulk
 from .arrays import STORAGE, DeviceView, HostView, c_strides, shown_dtype, storage_dtype, wire_dtype
@@ -106,8 +107,6 @@ def inspect_array(array: Any) -> Source:
                        array.device_id, array, True)
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
-        from .. import _driver as driver
-
         dt = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
         ptr = int(cai["data"][0])
@@ -168,8 +167,6 @@ _SIG_KINDS: dict[type, int] = {}
 def _is_host_ptr(view: Any) -> bool:
     """True for host memory CUDA knows (pinned or registered): ``CU_MEMORYTYPE_HOST`` from ``cuPointerGetAttributes``."""
     try:
-        from .. import _driver as driver
-
         host = int(driver.bindings().CUmemorytype.CU_MEMORYTYPE_HOST)
         return driver.pointer_facts(int(view.ptr))["memory_type"] == host
     except DmaBufError:
@@ -394,8 +391,6 @@ def _copy_into(block: Block, src: Source, nbytes: int, strides: tuple[int, ...],
     if not contiguous:
         raise InvalidArgumentError("copying a non-contiguous array to or from GPU memory is not supported: "
                                    "send a contiguous array (e.g. tensor.contiguous()) or one from pool.empty")
-    from .. import _driver as driver
-
     driver.set_current(block.pool.device if not block.pool.is_host else src.device)
     driver.memcpy_async(block.ptr, src.ptr, nbytes, stream)
     if block.pool.is_host:
@@ -583,8 +578,6 @@ def order_writes(dev_pool: Any, stream: int, ordering: str) -> tuple[str, Any, A
     """
     if dev_pool is None:
         return "none", None, None
-    from .. import _driver as driver
-
     driver.set_current(dev_pool.device)
     if ordering == "sync":
         driver.stream_synchronize(stream)
