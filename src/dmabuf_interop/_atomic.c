@@ -11,6 +11,7 @@
  *   store(buf, off, value)            release store                            (buf writable)
  *   load_seq(buf, off) -> int         seq_cst load
  *   store_seq(buf, off, value)        seq_cst store
+ *   store_load(buf, off, v, peer, poff) -> int  store_seq, then load_seq of peer[poff] (the Dekker step)
  *   publish(buf, off, data)           copy data[8:] to buf[off+8:], then release-store data[0:8] at buf[off]
  *   address(obj) -> int               the address of a buffer exporter's first element (a NumPy array's data)
  *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
@@ -138,6 +139,34 @@ static PyObject *
 store_seq(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     return do_store(args, nargs, "store_seq", __ATOMIC_SEQ_CST);
+}
+
+/* The Dekker step in one call: a seq_cst store of value at buf[off], then a seq_cst load of the u64 at
+ * peer[peer_off] (which may be read-only). A publisher stores its tail and reads whether the peer sleeps; a sleeper
+ * stores its "asleep" and reads the publisher's tail. One call instead of store_seq + load_seq: a hand-off makes
+ * it on its hot path. */
+static PyObject *
+store_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer mine, theirs;
+    if (!nargs_ok(nargs, 5, "store_load"))
+        return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]); /* OverflowError: < 0 or >= 2**64 */
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t *p = at(args[0], args[1], 8, 1, &mine);
+    if (p == NULL)
+        return NULL;
+    uint64_t *q = at(args[3], args[4], 8, 0, &theirs);
+    if (q == NULL) {
+        PyBuffer_Release(&mine);
+        return NULL;
+    }
+    __atomic_store_n(p, (uint64_t)v, __ATOMIC_SEQ_CST);
+    uint64_t got = __atomic_load_n(q, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&theirs);
+    PyBuffer_Release(&mine);
+    return PyLong_FromUnsignedLongLong(got);
 }
 
 /* A slot: its body first (plain copies), then its seq with a release store, so a reader that sees the new seq
@@ -350,6 +379,9 @@ static PyMethodDef methods[] = {
      "load_seq(buf, off) -> int: sequentially consistent load of the u64 at buf[off]."},
     {"store_seq", (PyCFunction)(void (*)(void))store_seq, METH_FASTCALL,
      "store_seq(buf, off, value): sequentially consistent store of a u64 at buf[off]."},
+    {"store_load", (PyCFunction)(void (*)(void))store_load, METH_FASTCALL,
+     "store_load(buf, off, value, peer, peer_off) -> int: seq_cst store of value at buf[off], then the seq_cst load "
+     "of the u64 at peer[peer_off]: both checked before either is done."},
     {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL,
      "publish(buf, off, data): copy data[8:] to buf[off+8:], then release-store the u64 data[0:8] at buf[off]."},
     {"address", (PyCFunction)address, METH_O,

@@ -166,6 +166,17 @@ def test_atomic_checks_bounds_alignment_and_writability():
         with pytest.raises(ValueError, match="outside"):
             _atomic.publish(buf, 8192 - 16, bytes(24))
         assert _atomic.load(bytes(16), 8) == 0  # loads take read-only buffers
+        # store_load: the store, then the peer's word (a read-only peer is fine); a bad offset on either side
+        # does neither.
+        peer = (11).to_bytes(8, "little") + (22).to_bytes(8, "little")
+        assert _atomic.store_load(buf, 16, 9, peer, 8) == 22 and _atomic.load(buf, 16) == 9
+        with pytest.raises(ValueError, match="outside"):
+            _atomic.store_load(buf, 16, 10, peer, 16)
+        with pytest.raises(ValueError, match="aligned"):
+            _atomic.store_load(buf, 20, 10, peer, 0)
+        with pytest.raises(TypeError):
+            _atomic.store_load(peer, 0, 10, buf, 0)  # the store's buffer must be writable
+        assert _atomic.load(buf, 16) == 9
         view = memoryview(buf)
         with pytest.raises(BufferError):
             buf.close()

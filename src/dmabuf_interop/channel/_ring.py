@@ -100,9 +100,14 @@ except ImportError as _exc:  # not built: no compiler where the package was inst
                 f"when the package is installed (`pip install -e .` builds it into a source tree) ({_exc})")
 else:
     _MISSING = ""
+if _atomic is not None and not hasattr(_atomic, "store_load"):  # a build older than this source (built in place)
+    _MISSING = ("the C extension dmabuf_interop._atomic was built from an older source (it lacks store_load): "
+                "rebuild it (`pip install -e .`, or `python setup.py build_ext --inplace`)")
+    _atomic = None  # type: ignore[assignment]
+if _atomic is not None:
     # Module globals: one dict lookup a call, not two (load-bearing on the hot paths below).
-    _load, _store, _load_seq, _store_seq, _publish = (_atomic.load, _atomic.store, _atomic.load_seq,
-                                                      _atomic.store_seq, _atomic.publish)
+    _load, _store, _load_seq, _store_seq, _publish, _store_load = (
+        _atomic.load, _atomic.store, _atomic.load_seq, _atomic.store_seq, _atomic.publish, _atomic.store_load)
 
 __all__ = ["RING_VERSION", "RingSlot", "Rings", "ring_unavailable", "region_bytes", "MAX_SLOTS",
            "MAX_RELEASE_SLOTS", "ORDERINGS"]
@@ -399,8 +404,7 @@ class Rings:
                                        f"{exc}") from exc
         _publish(self._mine, SLOTS_OFFSET + (tail & self._mask) * SLOT_BYTES, data)  # body, then seq (release)
         self._out_tail = tail = tail + 1
-        _store_seq(self._mine, OUT_TAIL, tail)  # seq_cst: ordered before the load of the peer's asleep
-        if _load_seq(peer, ASLEEP):
+        if _store_load(self._mine, OUT_TAIL, tail, peer, ASLEEP):  # seq_cst both: the store before the load
             self._wake()
         return True
 
@@ -508,8 +512,7 @@ class Rings:
                 raise InvalidArgumentError(f"ring: release id {lease!r} is not an int in [1, 2**53)")
             q[base + ((tail + i) & mask)] = lease  # plain stores: the tail's store below publishes them
         self._rel_tail = tail = tail + n
-        _store_seq(self._mine, REL_TAIL, tail)  # seq_cst: ordered before the load of the peer's asleep
-        asleep = _load_seq(peer, ASLEEP)
+        asleep = _store_load(self._mine, REL_TAIL, tail, peer, ASLEEP)  # seq_cst both: the store before the load
         if asleep and asleep != SLEEP_SLOTS:  # Note [waking for releases]: 2 wants slots only
             self._wake()
         return list(ids[n:])
