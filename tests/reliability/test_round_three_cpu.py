@@ -171,6 +171,29 @@ def test_a_stray_tcp_client_never_surfaces_from_accept(kind: str) -> None:
         assert out["refused"] == 1, out
 
 
+@pytest.mark.nixl
+def test_a_tcp_connect_whose_channel_is_closed_at_once_gets_it_ended_not_an_os_error() -> None:
+    """The listener closes each channel as soon as accept gives it: the consumer's connect returns the channel
+    (its peer address read before its reader could close the socket), or raises the library's error."""
+    def scenario() -> dict[str, Any]:
+        outcomes: dict[str, int] = {}
+        for _ in range(12):
+            lst = listen("tcp://127.0.0.1:0", token=TOKEN)
+            t, got = connect_in_thread(lst.address, timeout=3, token=TOKEN)
+            lst.accept(timeout=3).close()
+            t.join(5)
+            if got.get("ok"):
+                assert got["channel"].peer_address.startswith("tcp://127.0.0.1:")
+                got["channel"].close()
+            key = "ok" if got.get("ok") else got.get("error", "hung")
+            outcomes[key] = outcomes.get(key, 0) + 1
+            lst.close()
+        return outcomes
+
+    outcomes = bounded(scenario, 60)
+    assert set(outcomes) <= {"ok", "PeerClosedError"}, outcomes
+
+
 # --------------------------------------------------------------------------- many consumers at once
 
 

@@ -132,11 +132,8 @@ class RemoteChannel(Channel):
 
     @property
     def peer_address(self) -> str:
+        """``tcp://HOST:PORT`` of the peer (``""`` where it reset the connection during the handshake)."""
         return self._peer_address
-
-    def _set_peer_address(self, sock: socket.socket) -> None:
-        host, port = sock.getpeername()[:2]
-        self._peer_address = f"tcp://{host}:{port}"
 
 
 #: Held while an agent is made: NIXL/UCX set-up is not known to be safe from several threads at once.
@@ -190,8 +187,15 @@ def _handshake(sock: socket.socket, secret: bytes, timeout: float | None, listen
         agent.close()
         raise
     peer = PeerInfo(theirs["pid"], -1, -1, tuple(theirs["gpus"]), theirs["library"])
+    # Read before the channel is made: its reader may end the connection (the peer closed at once) and close
+    # the socket before the next line runs.
+    try:
+        host, port = sock.getpeername()[:2]
+        address = f"tcp://{host}:{port}"
+    except OSError:  # the peer reset the connection: the channel it gets has ended
+        address = ""
     ch = RemoteChannel(sock, peer, agent, name, pool=pool, device=device, xfer_timeout=xfer_timeout)
-    ch._set_peer_address(sock)
+    ch._peer_address = address
     return ch
 
 
