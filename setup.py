@@ -5,7 +5,7 @@ and ``dmabuf_interop._driver_hot`` (the driver calls of a hand-off's steady stat
 Everything else is in pyproject.toml. Where ``_atomic`` cannot be built (no C compiler, no Python headers, a
 big-endian target) the package installs without it, and channels speak the socket protocol alone
 (``dmabuf_interop.channel._ring.ring_unavailable()`` says why). Where ``_driver_hot`` cannot be built (no Cython,
-no cuda-bindings ``.pxd`` files at build time) ``dmabuf_interop._driver`` makes those calls through
+no cuda-bindings ``.pxd`` files or no ``cuda.h`` at build time) ``dmabuf_interop._driver`` makes those calls through
 ``cuda.bindings.driver``, a few microseconds slower each.
 """
 

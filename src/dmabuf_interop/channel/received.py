@@ -12,7 +12,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from .. import _driver as driver  # (at module level: an import in a function costs a send ~1.5 us)
 from ..errors import InvalidArgumentError, NotSupportedError
 from ._torch_views import BatchViews
-from .arrays import _DEVICE_DTYPES, STORAGE, ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype, storage_dtype, torch_dtype
+from .arrays import (_DEVICE_DTYPES, STORAGE, ChunkRef, DeviceView, HostView, device_dtype, numpy_dtype, storage_dtype,
+                     torch_dtype)
 from .protocol import DTYPES, ArrayDescriptor
 
 __all__ = ["Received", "Hold", "release_all", "as_tensors"]
