@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 import time
@@ -31,7 +32,10 @@ def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     t = type(timeout)
     if not (t is float or t is int) and (t is bool or not isinstance(timeout, numbers.Real)):
         raise InvalidArgumentError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}")
-    timeout = float(timeout)
+    try:
+        timeout = float(timeout)
+    except OverflowError:  # an int past any float (10**400): forever, or refused as negative below
+        timeout = math.inf if timeout > 0 else -math.inf
     if not timeout >= 0:  # also refuses NaN, which would never expire
         raise InvalidArgumentError(f"{name} must be >= 0 seconds, got {timeout}")
     return None if timeout >= LONGEST else timeout

@@ -708,6 +708,36 @@ def test_views_of_one_pool_array_are_remembered_by_address_and_layout(addr: str,
         x.close()
 
 
+def test_a_send_over_a_freed_remembered_block_keeps_its_timeout_while_another_send_holds_the_lock(
+        addr: str, pool: SharedPool) -> None:
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(16, "int32")
+    for _ in range(2):  # remembered, and its layout known to the peer
+        lease = prod.send(a)
+        cons.recv(5).release()
+        lease.wait(5)
+    address = a.ctypes.data
+    del a
+    gc.collect()
+    b = pool.empty(16, "int32")
+    assert b.ctypes.data == address  # the remembered placement's signature, over a new block
+    assert prod._link.acquire(1)  # another thread's send holds the connection
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeoutError):
+            in_thread(lambda: prod.send(b, timeout=0.3))(3)
+        assert time.monotonic() - t0 < 2  # it blocked on the lock, with no timeout, to forget the placement
+    finally:
+        prod._link.release()
+    b[:] = 7
+    lease = prod.send(b, timeout=5)
+    with cons.recv(5) as r:
+        assert (r.as_array() == 7).all()
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
     """On the socket (no shared-memory ring: its releases need no message), a busy consumer's releases share
     messages."""
@@ -1436,7 +1466,7 @@ def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_wit
         try:
             full = small.empty((1 << 16) - 256, "uint8", timeout=math.inf)  # there is room: no wait
             tiny = small.empty(4, "uint8", timeout=1e300)  # the last 256-byte block: the pool is full
-            for bad in (float("nan"), -1, "1", True):
+            for bad in (float("nan"), -1, "1", True, -10**400):
                 with pytest.raises(InvalidArgumentError, match="timeout"):
                     small.empty(16, "uint8", timeout=bad)  # NaN once spun forever on a full pool
                 with pytest.raises(InvalidArgumentError, match="timeout"):
@@ -1446,7 +1476,8 @@ def test_timeouts_take_none_or_inf_for_no_limit_and_refuse_nan_and_negatives_wit
                     small.empty(16, "uint8", timeout=none_left)
             # Two threads in recv with no limit (None, math.inf): one reads, the other waits on a condition,
             # which once raised OverflowError for math.inf.
-            first, second = in_thread(lambda: cons.recv(None)), in_thread(lambda: cons.recv(math.inf))
+            # (and an int past any float: no limit either; it was OverflowError from float())
+            first, second = in_thread(lambda: cons.recv(None)), in_thread(lambda: cons.recv(10**400))
             time.sleep(0.2)
             leases = [prod.send(full), prod.send(tiny)]
             got = [first(), second()]

@@ -436,8 +436,7 @@ class MemoTable:
             if not pool._ref_live(blocks):  # a block was freed (its array dropped) since
                 for p, bl in done:
                     p._unref_many(bl)
-                with self._lock:
-                    self.forget(memo)
+                self._forget_stale(memo)
                 return None, sigs, None
             done.append((pool, blocks))
         return memo.placed, sigs, memo
@@ -452,9 +451,17 @@ class MemoTable:
         pool, blocks = memo.by_pool[0]
         if pool._ref_live(blocks):
             return memo
-        with self._lock:
-            self.forget(memo)
+        self._forget_stale(memo)
         return None
+
+    def _forget_stale(self, memo: Memo) -> None:
+        """Forget ``memo``, whose blocks were freed, if the send lock is free: a send in another thread may hold it
+        past this send's timeout. Left, it is found stale again (and a new placement remembered replaces it)."""
+        if self._lock.acquire(False):
+            try:
+                self.forget(memo)
+            finally:
+                self._lock.release()
 
     def is_current(self, memo: Memo) -> bool:
         """``memo`` is still the one remembered for its key, with a layout the peer has."""
