@@ -63,9 +63,9 @@ Every wait of the reader (the background reader's, and ``recv``'s in its own thr
 and the ring's wake socket, between ``sleep_begin`` and ``sleep_end``; ``recv`` may first spin on the ring
 (:attr:`Channel.spin`).
 
-Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's own lock or the holds' lock (``received._COUNTS``). Nothing is
-taken the other way: the release path takes ``_state``, lets it go, and only then tries ``_send_lock``
-without blocking (the flusher sends it otherwise).
+Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's own lock or the holds' lock
+(``received._COUNTS``). Nothing is taken the other way: the release path takes ``_state``, lets it go, and only
+then tries ``_send_lock`` without blocking (the flusher sends it otherwise).
 
 Finalizers. A :class:`~.received.Hold` collected with items unreleased (its ``__del__``, possibly inside
 the garbage collector, in whatever thread allocated) releases the peer's lease: it takes ``_state``, may
