@@ -127,8 +127,9 @@ class Lending:
     def _lend_out(self, blocks: list[Block], placed: list[Placed], batch: str | None, order: str, event: Any,
                   events: Any, meta: dict[str, Any] | None, memo: Memo | None, deadline: float | None) -> Lease:
         """Lend ``blocks`` (each referenced for the lease) under a new lease, and send the message that does:
-        a ring slot for one array lent again (:meth:`_push_again`), else :meth:`_send_batch`, or an ``array``
-        message for one copied into a new block (no ``memo``). On failure the lease is completed ``"closed"``."""
+        a ring slot for a placement lent again without ``meta`` (:meth:`_push_again`), else :meth:`_send_batch`,
+        or an ``array`` message for one array copied into a new block (no ``memo``). On failure the lease is
+        completed ``"closed"``."""
         if self._reader is None:
             self._start_reader()  # the release of this lease must be read even if recv() is never called
         lease = Lease(next_lease_id(), blocks, event, events, self._waits)
@@ -137,8 +138,7 @@ class Lending:
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         raw = None if event is None else event[1]
         try:
-            if batch is None and memo is not None and meta is None and self._push_again(lease.id, memo, order, raw,
-                                                                                          deadline):
+            if memo is not None and meta is None and self._push_again(lease.id, memo, order, raw, deadline):
                 return lease
             ev64 = base64.b64encode(raw).decode() if raw is not None else None
             if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
@@ -178,12 +178,11 @@ class Lending:
         sent every step, a ring of blocks), so the peer validates and rebuilds nothing. ``memo``: the
         placement came from it (a repeat of its layout) or is to be remembered in it. ``deadline``: by when
         the message must begin to leave (``None``: :data:`._link.SEND_TIMEOUT`). ``event``: the raw handle ``ev64``
-        encodes. A repeat without ``meta`` goes through the shared-memory ring when it has room
-        (:meth:`_push`), else by the socket."""
+        encodes. A repeat of ``memo``'s layout goes by the socket here (:meth:`_lend_out` offered it to the ring
+        first); one of a layout found here without ``meta`` goes through the ring when it has room (:meth:`_push`),
+        else by the socket."""
         link = self._link
         if memo is not None:
-            if mapping is not None and meta is None and self._push_again(lease_id, memo, order, event, deadline):
-                return  # (one array's: _lend_out tried the ring)
             if not link.acquire_by(deadline):
                 raise WaitTimeoutError("another thread's send held the connection past the timeout")
             try:
