@@ -738,6 +738,40 @@ def test_a_send_over_a_freed_remembered_block_keeps_its_timeout_while_another_se
         x.close()
 
 
+def test_a_pool_that_retires_a_chunk_keeps_its_timeout_while_another_send_holds_the_lock(addr: str) -> None:
+    """``SharedPool.empty`` that retires an idle chunk to make room tells each channel, whose send lock another
+    thread's send may hold while it waits for a slow peer: the retire goes out once that send lets go."""
+    mib = 1 << 20
+    with SharedPool(chunk_bytes=mib, max_bytes=2 * mib) as pool:
+        listener, prod, cons = pair(addr, pool)
+        a = pool.empty(mib, "uint8")
+        lease = prod.send(a)
+        cons.recv(5).release()
+        lease.wait(5)
+        chunk = pool._chunks[0].id
+        assert prod._proto.is_announced(chunk)
+        del a
+        gc.collect()  # the chunk is idle: a 2 MiB block needs its room
+        assert prod._link.acquire(1)  # another thread's send holds the connection
+        try:
+            t0 = time.monotonic()
+            b = in_thread(lambda: pool.empty(2 * mib, "uint8", timeout=0.5))(5)
+            assert time.monotonic() - t0 < 2  # it waited for the send lock with no timeout
+            assert b.nbytes == 2 * mib
+            assert prod._proto.is_announced(chunk)  # not told yet: the lock is held
+        finally:
+            prod._link.release()  # the retire goes out now, in this thread
+        assert not prod._proto.is_announced(chunk)
+        b[:] = 9
+        lease = prod.send(b, timeout=5)
+        with cons.recv(5) as r:
+            assert (r.as_array() == 9).all()
+        lease.wait(5)
+        assert chunk not in cons._imports  # the peer unmapped the retired chunk
+        for x in (cons, prod, listener):
+            x.close()
+
+
 def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
     """On the socket (no shared-memory ring: its releases need no message), a busy consumer's releases share
     messages."""

@@ -12,6 +12,7 @@ back. Which lock guards which call, and the lock order: Note [channel threads an
 from __future__ import annotations
 
 import base64
+import functools
 import time
 from typing import Any
 
@@ -56,21 +57,25 @@ class Lending:
         block.pool._register_channel(self)
 
     def _retire_chunk(self, chunk_id: int) -> None:
+        """Chunk ``chunk_id`` of a pool of this channel's is gone: forget placements in it, and tell the peer
+        (``retire``) under the send lock, now if it is free, else once the thread that holds it lets go
+        (:meth:`._link.Link.defer`): the pool's caller may have a timeout, and a send may hold the lock while it
+        waits for a slow peer. Until then the chunk counts as announced, and nothing is lent from it (its pool
+        has dropped it)."""
         if self._owner != _forks.pid:
             return  # a pool inherited through fork(): the parent's channel is the parent's
         self._carrier.retire(chunk_id)  # (tcp://: deregistered first, so NIXL refuses reads of it from now on)
-        self._link.acquire()
-        try:  # placements in the chunk are gone
-            self._memos.forget_chunk(chunk_id)
-            # Uncounted and told under one hold of the lock: no chunk announced in between reaches the
-            # peer before this retire (it would count one chunk more than this end does).
-            if self._proto.retire_chunk(chunk_id):
-                try:
-                    self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
-                except (DmaBufError, OSError):
-                    pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
-        finally:
-            self._link.release()
+        self._link.defer(functools.partial(self._retire_locked, chunk_id))
+
+    def _retire_locked(self, chunk_id: int) -> None:
+        self._memos.forget_chunk(chunk_id)  # placements in the chunk are gone
+        # Uncounted and told under one hold of the lock: no chunk announced in between reaches the peer before
+        # this retire (it would count one chunk more than this end does).
+        if self._proto.retire_chunk(chunk_id):
+            try:
+                self._link.send_locked({"kind": "retire", "chunk": chunk_id}, essential=True)
+            except (DmaBufError, OSError):
+                pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
     def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:

@@ -5,11 +5,12 @@ stream is out of step for good (:meth:`ConnectionState.send_failed <._state.Conn
 
 from __future__ import annotations
 
+import collections
 import copy
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import ClosedError, DmaBufError, PeerClosedError, WaitTimeoutError
 from ..fdpass import _broken_send, send_message
@@ -46,6 +47,7 @@ class Link:
         self.lock = threading.Lock()
         self.owner = 0
         self.sent = 0  # messages gone out whole (changed under the lock)
+        self.due: collections.deque[Callable[[], None]] = collections.deque()  # :meth:`defer`'s jobs not yet run
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes)."""
@@ -72,6 +74,31 @@ class Link:
     def release(self) -> None:
         self.owner = 0
         self.lock.release()
+        if self.due:  # (after the release: a job deferred while this thread held the lock runs now)
+            self._run_due()
+
+    def defer(self, job: Callable[[], None]) -> None:
+        """Run ``job`` under the send lock without waiting for it: now if the lock is free, else in the thread
+        that holds it, right after it lets go (:meth:`release`). Jobs run in the order deferred. ``job`` must not
+        raise, nor take the lock again.
+
+        Why: a caller with a timeout of its own (``SharedPool.empty`` retiring an idle chunk) must not wait,
+        with no limit, for another thread's send, which may wait for a slow peer. A job appended while a holder
+        lets go is not lost: either this call takes the lock after it, or the thread that holds the lock then
+        looks at :attr:`due` after its own release."""
+        self.due.append(job)
+        self._run_due()
+
+    def _run_due(self) -> None:
+        due = self.due
+        while due and self.lock.acquire(False):
+            self.owner = _get_ident()
+            try:
+                while due:
+                    due.popleft()()
+            finally:
+                self.owner = 0
+                self.lock.release()
 
     def held_here(self) -> bool:
         """Whether this thread holds the send lock (a ``close()`` inside its own interrupted send)."""

@@ -65,7 +65,9 @@ and the ring's wake socket, between ``sleep_begin`` and ``sleep_end``; ``recv`` 
 
 Lock order: ``_read_lock`` -> ``_send_lock`` -> ``_state`` -> a chunk's own lock or the holds' lock
 (``received._COUNTS``). Nothing is taken the other way: the release path takes ``_state``, lets it go, and only
-then tries ``_send_lock`` without blocking (the flusher sends it otherwise).
+then tries ``_send_lock`` without blocking (the flusher sends it otherwise). A pool that retires a chunk
+(``SharedPool.empty`` making room, ``trim``, ``close``) never waits for ``_send_lock`` either: the ``retire`` goes
+out now if the lock is free, else in the thread that holds it, once it lets go (:meth:`._link.Link.defer`).
 
 Finalizers. A :class:`~.received.Hold` collected with items unreleased (its ``__del__``, possibly inside
 the garbage collector, in whatever thread allocated) releases the peer's lease: it takes ``_state``, may
@@ -231,7 +233,7 @@ class Channel(Lending, Reading):
         # lock itself (``_state_lock``: Condition.__enter__ is one Python call more), the others the Condition.
         self._state_lock = threading.RLock()
         self._state = threading.Condition(self._state_lock)
-        self._memos = MemoTable(self._send_lock)
+        self._memos = MemoTable(self._link)
         self._releases = ReleaseQueue(self._link, self._state, self._state_lock, self._proto, rings)
         self._waiters = 0  # recv() calls waiting on _state: notified only when one waits
         # Held by whoever reads the socket: recv() in the caller's thread, or the background

@@ -402,8 +402,8 @@ class MemoTable:
     by :meth:`Memo.key_of`, at most ``limit`` (the oldest forgotten first). Changed only under the
     channel's send lock (``lock``); read without it by :meth:`lend_again`, whose result is checked."""
 
-    def __init__(self, lock: "threading.Lock", limit: int = MAX_MEMOS) -> None:
-        self._lock = lock
+    def __init__(self, link: "Link", limit: int = MAX_MEMOS) -> None:
+        self._link = link
         self._memos: dict[tuple[Any, ...], Memo] = {}
         self.limit = limit
 
@@ -457,11 +457,11 @@ class MemoTable:
     def _forget_stale(self, memo: Memo) -> None:
         """Forget ``memo``, whose blocks were freed, if the send lock is free: a send in another thread may hold it
         past this send's timeout. Left, it is found stale again (and a new placement remembered replaces it)."""
-        if self._lock.acquire(False):
+        if self._link.try_acquire():
             try:
                 self.forget(memo)
             finally:
-                self._lock.release()
+                self._link.release()
 
     def is_current(self, memo: Memo) -> bool:
         """``memo`` is still the one remembered for its key, with a layout the peer has."""
