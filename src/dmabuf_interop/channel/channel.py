@@ -266,10 +266,16 @@ class Channel(Lending, Reading):
         with self._state:
             if self._reader is not None:
                 return
-            self._reader = threading.Thread(target=_read_loop, args=(self._weak, self._conn),
-                                            name="dmabuf-interop-channel-reader", daemon=True)
+            reader = self._reader = threading.Thread(target=_read_loop, args=(self._weak, self._conn),
+                                                     name="dmabuf-interop-channel-reader", daemon=True)
             self._conn.has_reader = True
-        self._reader.start()
+        try:
+            reader.start()
+        except BaseException:  # (RuntimeError: no thread could be started) the next call tries again
+            with self._state:
+                self._reader = None
+                self._conn.has_reader = False
+            raise
 
     @property
     def max_queued(self) -> int:

@@ -302,6 +302,8 @@ class Listener(ListenerBase):
                  device: int | None, hello_overrides: dict[str, Any] | None,
                  handshake_timeout: float | None = HANDSHAKE_TIMEOUT, ring: bool = True, spin: float = 0.0) -> None:
         self.pool = pool
+        if ring:
+            ring_unavailable()  # probed (a memfd made and sealed) and remembered now, not in the first handshake
         local = _Local(address, pool, None if allow_uids is None else frozenset(allow_uids),
                        None if allow_gids is None else frozenset(allow_gids), ordering, device, hello_overrides, None,
                        bool(ring), spin)

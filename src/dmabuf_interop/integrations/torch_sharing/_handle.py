@@ -12,6 +12,7 @@ import socket
 import struct
 from typing import Any
 
+from ...channel.protocol import host_boot_id
 from ...errors import InvalidArgumentError, SyscallError
 
 __all__ = ["ShareHandle", "MAGIC", "peer_uid"]
@@ -24,9 +25,8 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 def _boot_id() -> str:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
+        return host_boot_id()
+    except SyscallError:
         return ""
 
 
