@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where one channel hand-off's time goes, stage by stage, between two processes (GPU or host pool).
 
-    PYTHONPATH=src python3 scripts/handoff_stages.py [--host] [--device 0] [--spin 0.0005] [--socket]
+    PYTHONPATH=src python3 scripts/handoff_stages.py [--host] [--device 0] [--spin 0.0005|auto] [--socket]
         [--count 2000] [--pause 0.0003] [--size 1048576]
 
 A producer process lends a ring of 8 ``SharedPool.empty`` blocks over a channel, one at a time, pausing
@@ -89,7 +89,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", action="store_true", help="a host pool (memfd) instead of a device pool")
     p.add_argument("--device", type=int, default=0, help="the GPU of both processes (default 0)")
-    p.add_argument("--spin", type=float, default=0.0, help="the consumer's Channel.spin, seconds (default 0)")
+    p.add_argument("--spin", type=lambda t: t if t == "auto" else float(t), default=0.0,
+                   help="the consumer's Channel.spin, seconds or 'auto' (default 0)")
     p.add_argument("--socket", action="store_true", help="refuse the shared-memory ring on both ends")
     p.add_argument("--count", type=int, default=2000, help="hand-offs (default 2000; the first 200 are not counted)")
     p.add_argument("--pause", type=float, default=300e-6, help="seconds the producer pauses before each send")
@@ -168,7 +169,8 @@ def _run(args: argparse.Namespace, folder: str) -> int:
         return _median([y - x for x, y in zip(a, b) if x and y])  # (0: not stamped, e.g. no sleep that time)
 
     where = "host pool" if args.host else f"GPU {args.device}"
-    print(f"{where}, {'ring' if c['ring'] else 'socket alone'}, consumer spin {args.spin:g} s, {args.size} bytes, "
+    spin = args.spin if args.spin == "auto" else f"{args.spin:g} s"
+    print(f"{where}, {'ring' if c['ring'] else 'socket alone'}, consumer spin {spin}, {args.size} bytes, "
           f"pause {args.pause:g} s: medians of {args.count - _SKIP} hand-offs, us")
     print(f"  send called -> hand-off left:        {stage(t0s, lefts):7.1f}")
     if args.spin == 0:

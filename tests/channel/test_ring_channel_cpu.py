@@ -33,6 +33,7 @@ from dmabuf_interop.channel import _reader as reader_module
 from dmabuf_interop.channel import _releases as releases_module
 from dmabuf_interop.channel import rendezvous, wire
 from dmabuf_interop.channel._ring import ASLEEP, OUT_TAIL, SLEEP_SLOTS, RingSlot, Rings
+from dmabuf_interop.channel._spin import AUTO_SPIN_MAX, AUTO_SPIN_MIN_CPUS, AdaptiveSpin
 from dmabuf_interop.channel.protocol import PROTOCOL_VERSION
 from dmabuf_interop.channel.wire import recv_frame, send_frame
 from dmabuf_interop.errors import (ForkedResourceError, InvalidArgumentError, PeerClosedError, ProtocolError,
@@ -385,15 +386,18 @@ def test_a_forged_release_in_the_ring_ends_a_producer_at_its_next_send(tmp_path:
 # --- two processes ------------------------------------------------------------------------------------------
 
 
-def _handoffs(addr: str, n: int, spin: float, seed: int, ring: bool = True) -> dict[str, Any]:
+def _handoffs(addr: str, n: int, spin: float | str, seed: int, ring: bool = True) -> dict[str, Any]:
     """A producer here and a consumer forked: ``n`` hand-offs of 4 KiB from a ring of 8 blocks, random short
-    sleeps on both sides (so each finds the other now awake, now asleep), every recv and lease wait bounded."""
+    sleeps on both sides (so each finds the other now awake, now asleep), every recv and lease wait bounded.
+    ``spin="auto"``: the consumer's adaptive spin is made as on a machine with enough CPUs to spin."""
     pool = SharedPool(None, chunk_bytes=1 << 20, max_bytes=4 << 20)
     lst = listen(addr, pool=pool, ring=ring)
 
     def consumer() -> dict[str, Any]:
         rng = random.Random(seed + 1)
         with connect(addr, timeout=10, ring=ring, spin=spin) as ch:
+            if spin == "auto":
+                ch._conn.adaptive = AdaptiveSpin(cpus=AUTO_SPIN_MIN_CPUS)
             bad = []
             for k in range(n):
                 r = ch.recv(5)  # a lost wake-up shows as a WaitTimeoutError here
@@ -434,8 +438,8 @@ def _handoffs(addr: str, n: int, spin: float, seed: int, ring: bool = True) -> d
     return out
 
 
-@pytest.mark.parametrize("spin", [0.0, 0.00005], ids=["blocking", "spinning"])
-def test_no_wake_up_is_lost_between_two_processes(tmp_path: Path, spin: float) -> None:
+@pytest.mark.parametrize("spin", [0.0, 0.00005, "auto"], ids=["blocking", "spinning", "adaptive"])
+def test_no_wake_up_is_lost_between_two_processes(tmp_path: Path, spin: float | str) -> None:
     out = bounded(lambda: _handoffs(str(tmp_path / "w.sock"), 3000, spin, seed=11), 120)
     got = out.get("ok", out)
     assert got.get("bad") == [], out
@@ -715,8 +719,8 @@ def test_a_forked_child_cannot_use_the_ring_and_its_close_leaves_the_parents(tmp
     assert got["child"]["send"]["error"] == got["child"]["recv"]["error"] == ForkedResourceError.__name__, out
 
 
-@pytest.mark.parametrize("spin", [0.0, 0.001])
-def test_spin_per_channel_and_per_recv(tmp_path: Path, spin: float) -> None:
+@pytest.mark.parametrize("spin", [0.0, 0.001, "auto"])
+def test_spin_per_channel_and_per_recv(tmp_path: Path, spin: float | str) -> None:
     with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
         lst, prod, cons = _pair(str(tmp_path / "s.sock"), pool, spin=spin)
         with lst, prod, cons:
@@ -725,19 +729,48 @@ def test_spin_per_channel_and_per_recv(tmp_path: Path, spin: float) -> None:
             for k in range(50):
                 a[0] = k
                 lease = prod.send(a)
-                with cons.recv(2, spin=None if k % 2 else 0.0005) as r:
+                with cons.recv(2, spin=None if k % 2 else (0.0005, "auto")[k % 4 == 0]) as r:
                     assert int(r.as_array()[0]) == k
                 lease.wait(2)
-            t0 = time.monotonic()
-            with pytest.raises(WaitTimeoutError):
-                cons.recv(0.05, spin=0.2)  # the spin never outlasts the timeout
-            assert time.monotonic() - t0 < 0.5
+            for s in (0.2, "auto"):
+                t0 = time.monotonic()
+                with pytest.raises(WaitTimeoutError):
+                    cons.recv(0.05, spin=s)  # the spin never outlasts the timeout
+                assert time.monotonic() - t0 < 0.5
             cons.spin = 0.01
             assert cons.spin == 0.01
-            with pytest.raises(InvalidArgumentError):
-                cons.spin = 2.0
+            cons.spin = "auto"
+            assert cons.spin == "auto"
+            for bad in (2.0, "fast", "AUTO", b"auto", None):
+                with pytest.raises(InvalidArgumentError):
+                    cons.spin = bad
             with pytest.raises(InvalidArgumentError):
                 cons.recv(0.01, spin=-0.1)
+
+
+def test_an_adaptive_spin_learns_the_waits_of_its_channel(tmp_path: Path) -> None:
+    """``spin="auto"``: a consumer whose messages come 20 ms apart stops spinning; when its waits end at once
+    again (the slot published as it is about to sleep), their average falls back (its waits measured either way)."""
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "a.sock"), pool, spin="auto")
+        with lst, prod, cons:
+            spin = cons._conn.adaptive = AdaptiveSpin(cpus=AUTO_SPIN_MIN_CPUS)  # as on a machine that may spin
+            a = pool.empty(4, "int64")
+            for k in range(8):  # each recv waits about 20 ms for a send from another thread
+                a[0] = k
+                later = threading.Timer(0.02, lambda: prod.send(a, timeout=5))
+                later.start()
+                with cons.recv(5) as r:
+                    assert int(r.as_array()[0]) == k
+                later.join(5)
+            assert spin.average > AUTO_SPIN_MAX and spin.budget() == 0.0  # waits far over the bound: no spin
+            long_waits = spin.average
+            rings = cons._conn.rings
+            begin = rings.sleep_begin
+            rings.sleep_begin = lambda *x: bool(prod.send(a, timeout=5)) and begin(*x)  # it finds the slot
+            for k in range(6):
+                cons.recv(5).release()
+            assert spin.average < AUTO_SPIN_MAX < long_waits and spin.budget() > 0
 
 
 def test_a_blocking_recv_takes_the_slot_first_and_reads_its_wake_up_at_its_next_wait(tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
 
 def test_bad_mechanism_devices_and_reps_exit_2():
     for args in (("--mechanisms", "nccl"), ("--devices", "0"), ("--reps", "0"), ("--consumer-spin", "-1e-6"),
-                 ("--consumer-spin", "2"), ("--consumer-spin", "fast")):
+                 ("--consumer-spin", "2"), ("--consumer-spin", "fast"), ("--consumer-spin", "AUTO")):
         out = run_cli("bench", *args)
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
 

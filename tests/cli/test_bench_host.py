@@ -81,6 +81,25 @@ def test_channel_host_cpu_idle_and_spin(tmp_path):
     assert f"channel-host <= {HOST_RATIO:g} x iceoryx2" in stdout
 
 
+def test_consumer_spin_auto_runs_the_channels_adaptive_spin(tmp_path):
+    data, stdout = _bench(tmp_path, "--mechanisms", "channel-host", "--sizes", "4K", "--reps", "3", "--warmup", "1",
+                          "--consumer-spin", "auto")
+    assert data["config"]["consumer_spin"] == "auto"
+    spun = data["spinning"]["channel-host"]
+    assert spun["status"] == "ok" and spun["consumer_spin_s"] == "auto", spun
+    _check_cpu(spun, [4096])
+    assert "spinning adaptively (Channel.spin = 'auto')" in stdout
+
+
+@needs_iceoryx2
+def test_iceoryx2_has_no_adaptive_spin(tmp_path):
+    data, _ = _bench(tmp_path, "--mechanisms", "iceoryx2", "--sizes", "4K", "--reps", "2", "--warmup", "0",
+                     "--consumer-spin", "auto")
+    spun = data["spinning"]["iceoryx2"]
+    assert spun["status"] == "unsupported" and "no adaptive spin" in spun["reason"], spun
+    assert data["mechanisms"]["iceoryx2"]["status"] == "ok"
+
+
 def test_no_spinning_run_without_consumer_spin(tmp_path):
     data, stdout = _bench(tmp_path, "--mechanisms", "memfd", "--sizes", "4K", "--reps", "2", "--warmup", "0")
     assert data["spinning"] == {} and data["config"]["consumer_spin"] == 0

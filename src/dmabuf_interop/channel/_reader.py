@@ -41,6 +41,7 @@ from ._releases import ReleaseQueue
 from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, LayoutForgotten,
                      LeasesReleased, PeerClosed, PeerRefused, RingOffered)
 from ._ring_region import RingSlot
+from ._spin import AdaptiveSpin
 from ._torch_views import LayoutViews
 from .protocol import parse_message
 from .sending import MemoTable
@@ -108,6 +109,7 @@ class _Conn:
     finish_here: bool = False  # whoever ends the connection also drops the queue and closes the carrier
     sent_at: float = -1e9  # time.monotonic() of the last send that lent something (Note [waking for releases])
     release_waiters: int = 0  # threads waiting for a release of this end's leases (changed under ``state``)
+    adaptive: Any = None  # the recv's AdaptiveSpin (spin "auto"), made at its first wait; the reading thread's
     state_lock: Any = None  # the RLock under ``state``, held directly on the paths every hand-off takes
 
 
@@ -385,7 +387,7 @@ class Reading:
     """The methods of a :class:`.channel.Channel` that read the socket and end the connection: ``recv`` in
     the caller's thread and the background reader share them (they use the channel's attributes)."""
 
-    def _next(self, timeout: float | None, want_batch: bool, spin: float = 0.0) -> _Queued:
+    def _next(self, timeout: float | None, want_batch: bool, spin: float | str = 0.0) -> _Queued:
         if self._owner != _forks.pid:
             raise ForkedResourceError("this channel", self._owner)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
@@ -477,11 +479,12 @@ class Reading:
         with self._state:
             return self._state.wait_for(lambda: self._proto.ended, timeout)
 
-    def _read_one(self, deadline: float | None, spin: float = 0.0) -> bool:
+    def _read_one(self, deadline: float | None, spin: float | str = 0.0) -> bool:
         """Read and handle one message, from the socket or the peer's ring (the caller holds ``_read_lock``);
         a message that ends the connection, or breaks the protocol, ends it here (:meth:`_end`). Returns
         False when nothing arrived by ``deadline`` (the caller's own deadline check raises), else True.
-        ``spin``: seconds to poll the ring before sleeping. The background reader parks an array message
+        ``spin``: seconds to poll the ring before sleeping, or ``"auto"`` (:mod:`._spin`). The background reader
+        parks an array message
         (a socket message or a ring slot) while :attr:`max_queued` are queued (:func:`_read_loop` takes
         it once there is room)."""
         if self._proto.ended:
@@ -528,7 +531,7 @@ class Reading:
         self._take(msg, fds)
         return True
 
-    def _arrived(self, deadline: float | None, spin: float) -> Any:
+    def _arrived(self, deadline: float | None, spin: float | str) -> Any:
         """The next message in the peer's order: ``_RING`` (the next slot of the peer's ring, not yet
         taken), or the next socket message ``(msg, fds)`` (kept in ``_Conn.ahead`` until handled), or
         ``None``: nothing by ``deadline``. A slot the peer published after ``n`` of its socket messages comes
@@ -569,7 +572,7 @@ class Reading:
             if readable:
                 conn.ahead = self._frames.read_by(deadline)
 
-    def _wait_both(self, deadline: float | None, spin: float) -> bool | None:
+    def _wait_both(self, deadline: float | None, spin: float | str) -> bool | None:
         """Wait for the socket or the peer's ring: True once the socket is readable (or hung up), False when
         the ring may hold something, ``None`` when ``deadline`` passed with nothing. Releases in the ring are
         taken first; ``spin`` seconds of looking at the ring (and, now and then, the socket) come before the
@@ -587,12 +590,21 @@ class Reading:
             left = remaining(deadline)
             if left is not None and left <= 0:
                 return None
+            adapt = None
+            if spin.__class__ is str:  # "auto" (check_spin lets no other string through): Note [adaptive spin]
+                adapt = conn.adaptive
+                if adapt is None:
+                    adapt = conn.adaptive = AdaptiveSpin()
+                spin = adapt.budget()
+                began = _monotonic()
             if spin > 0:  # load-bearing for latency: a consumer awake when the slot lands pays no wake-up
                 until = _monotonic() + (spin if left is None else min(spin, left))
                 peek = rings.peek_sock_seq
                 n = 0
                 while True:
                     if peek() is not None:
+                        if adapt is not None:
+                            adapt.observe(_monotonic() - began)
                         return False
                     n += 1
                     if n % _SPIN_SOCKET_EVERY == 0:
@@ -601,6 +613,8 @@ class Reading:
                             break
             if not events:
                 if not rings.sleep_begin():
+                    if adapt is not None:
+                        adapt.observe(_monotonic() - began)
                     return False  # something arrived meanwhile
                 try:
                     events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
@@ -608,10 +622,14 @@ class Reading:
                     # Load-bearing for a blocking consumer's latency: the wake-up is read at the next wait (the
                     # poll(0) at the top finds it), not between the wake and the slot (two recv and an exception).
                     rings.sleep_end(drain=False)
+                if adapt is not None:
+                    adapt.observe(_monotonic() - began)  # (a wait that ended in the timeout counts as long)
                 if not events:
                     left = remaining(deadline)
                     return None if left is not None and left <= 0 else False
                 return any(fd != rings.wake_fd for fd, _ in events)
+            if adapt is not None:
+                adapt.observe(_monotonic() - began)  # the socket became readable during the spin
         if any(fd == rings.wake_fd for fd, _ in events):
             rings.drain()  # a wake-up left by the last sleep, or sent without one: read here
         return any(fd != rings.wake_fd for fd, _ in events)

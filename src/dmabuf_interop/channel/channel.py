@@ -138,6 +138,7 @@ from ._link import SEND_TIMEOUT, Link
 from ._reader import (Reading, ReleaseWaits, _check_max_queued, _collected, _Conn, _drop_queue, _Queued,
                       _read_loop)
 from ._releases import RELEASE_BATCH, RELEASE_DELAY, RELEASE_GAP, ReleaseQueue
+from ._spin import AUTO
 from ._state import MAX_CHUNKS, ConnectionState
 from ._torch_views import BatchViews, LayoutViews
 from .arrays import device_index
@@ -159,14 +160,18 @@ MAX_QUEUED = 1024
 MAX_SPIN = 1.0
 
 
-def check_spin(value: Any) -> float:
-    """A spin (seconds a ``recv`` polls the shared-memory ring before it sleeps): a real in [0, :data:`MAX_SPIN`].
+def check_spin(value: Any) -> float | str:
+    """A spin (seconds a ``recv`` polls the shared-memory ring before it sleeps): a real in [0, :data:`MAX_SPIN`], or
+    ``"auto"``: as long as the last waits suggest, at most :data:`._spin.AUTO_SPIN_MAX`, and not at all on a machine
+    with fewer than :data:`._spin.AUTO_SPIN_MIN_CPUS` CPUs (Note [adaptive spin], in :mod:`._spin`).
 
     Raises:
-        InvalidArgumentError: not a real number in that range.
+        InvalidArgumentError: not ``"auto"`` nor a real number in that range.
     """
+    if value.__class__ is str and value == AUTO:
+        return AUTO
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= MAX_SPIN:
-        raise InvalidArgumentError(f"spin must be a number of seconds in [0, {MAX_SPIN:g}], got {value!r}")
+        raise InvalidArgumentError(f"spin must be a number of seconds in [0, {MAX_SPIN:g}] or \"auto\", got {value!r}")
     return float(value)
 
 _NAME = operator.attrgetter("name")
@@ -206,7 +211,7 @@ class Channel(Lending, Reading):
     def __init__(self, sock: socket.socket, peer: PeerInfo, *, pool: SharedPool | None = None,
                  device: int | None = None, ordering: str = "event", carrier: Any = None,
                  max_queued: int | None = None, auto_pools: Membership | None = None, rings: Any = None,
-                 spin: float = 0.0) -> None:
+                 spin: float | str = 0.0) -> None:
         if ordering not in ("event", "sync"):
             raise InvalidArgumentError(f"ordering must be 'event' or 'sync', got {ordering!r}")
         max_queued = MAX_QUEUED if max_queued is None else _check_max_queued(max_queued)
@@ -294,7 +299,7 @@ class Channel(Lending, Reading):
                 os.eventfd_write(self._conn.wake_fd, 1)
 
     @property
-    def spin(self) -> float:
+    def spin(self) -> float | str:
         """Seconds a :meth:`recv` / :meth:`recv_many` that finds nothing polls the shared-memory ring (and, every
         few dozen looks, the socket) before it sleeps in ``poll`` (default 0.0: it sleeps at once). A slot
         that lands during the spin is taken without the 20-40 us of waking a sleeping thread, but the spinning
@@ -303,13 +308,18 @@ class Channel(Lending, Reading):
         own; it applies where ``recv`` reads in its own thread (a channel that has not sent) and only on a
         connection with the ring (:attr:`ring`). May be changed; ``recv(spin=)`` overrides it per call.
 
+        ``"auto"``: each wait spins for about twice the recent waits of this channel's ``recv`` (a moving
+        average), at most 200 us (:data:`._spin.AUTO_SPIN_MAX`), and not at all while they run longer than that
+        or where this process has fewer than 4 CPUs (:data:`._spin.AUTO_SPIN_MIN_CPUS`); Note [adaptive spin] in
+        :mod:`._spin`.
+
         Raises:
-            InvalidArgumentError: (setting) not a number of seconds in [0, :data:`MAX_SPIN`].
+            InvalidArgumentError: (setting) not ``"auto"`` nor a number of seconds in [0, :data:`MAX_SPIN`].
         """
         return self._spin
 
     @spin.setter
-    def spin(self, value: float) -> None:
+    def spin(self, value: float | str) -> None:
         self._spin = check_spin(value)
 
     @property
@@ -399,15 +409,15 @@ class Channel(Lending, Reading):
 
     # --- receiving ------------------------------------------------------------------
 
-    def recv(self, timeout: float | None = 60.0, *, stream: Any = None, spin: float | None = None) -> Received:
+    def recv(self, timeout: float | None = 60.0, *, stream: Any = None, spin: float | str | None = None) -> Received:
         """The next array from the peer.
 
         Args:
             timeout: seconds to wait (``None``: forever).
             stream: device pools: the stream that will read the array; it is made to wait for the
                 producer's event (``cuStreamWaitEvent``). ``None``: the legacy default stream.
-            spin: seconds to poll the shared-memory ring before sleeping (default :attr:`spin`; see there
-                for its CPU cost).
+            spin: seconds to poll the shared-memory ring before sleeping, or ``"auto"`` (default :attr:`spin`;
+                see there for its CPU cost).
 
         Raises:
             WaitTimeoutError: nothing within ``timeout``.
@@ -424,7 +434,7 @@ class Channel(Lending, Reading):
         return self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None,
-                  spin: float | None = None) -> dict[str, Received] | list[Received]:
+                  spin: float | str | None = None) -> dict[str, Received] | list[Received]:
         """The next ``send_many`` batch: a dict by name (for a mapping) or a list; a single array as a list of one.
         Arguments as :meth:`recv`.
 

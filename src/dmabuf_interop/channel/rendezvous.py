@@ -257,7 +257,7 @@ class _Local:
     hello_overrides: dict[str, Any] | None
     auto: Membership | None  # the listener's pools made on first need, shared by its channels
     ring: bool = True
-    spin: float = 0.0
+    spin: float | str = 0.0
 
     def handshake(self, conn: socket.socket, deadline: float | None) -> Channel:
         pid, uid, gid = peer_credentials(conn)
@@ -300,7 +300,8 @@ class Listener(ListenerBase):
     def __init__(self, sock: socket.socket, address: str, place: _Place | None, *, pool: SharedPool | None,
                  allow_uids: Iterable[int] | None, allow_gids: Iterable[int] | None, ordering: str,
                  device: int | None, hello_overrides: dict[str, Any] | None,
-                 handshake_timeout: float | None = HANDSHAKE_TIMEOUT, ring: bool = True, spin: float = 0.0) -> None:
+                 handshake_timeout: float | None = HANDSHAKE_TIMEOUT, ring: bool = True,
+                 spin: float | str = 0.0) -> None:
         self.pool = pool
         if ring:
             ring_unavailable()  # probed (a memfd made and sealed) and remembered now, not in the first handshake
@@ -346,7 +347,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
            allow_uids: Iterable[int] | None = None, allow_gids: Iterable[int] | None = None,
            ordering: str = "event", device: int | None = None, backlog: int = 64,
            hello_overrides: dict[str, Any] | None = None, handshake_timeout: float | None = HANDSHAKE_TIMEOUT,
-           ring: bool = True, spin: float = 0.0, **remote: Any) -> Listener:
+           ring: bool = True, spin: float | str = 0.0, **remote: Any) -> Listener:
     """Listen for channel consumers on ``address`` (``socket(AF_UNIX, SOCK_STREAM)``, ``bind``, ``listen``).
 
     ``"tcp://HOST:PORT"`` listens for consumers on other hosts instead (NIXL; ``token=`` /
@@ -368,7 +369,7 @@ def listen(address: str | os.PathLike[str], *, pool: SharedPool | None = None,
         handshake_timeout: seconds each accepted connection has to complete its handshake (``None``: no limit).
         ring: offer the shared-memory ring (:mod:`._ring`) to each consumer: used when the consumer offers it
             too; not offered where :func:`._ring.ring_unavailable` gives a reason (then the socket alone is used).
-        spin: each channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps).
+        spin: each channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps, or ``"auto"``).
 
     Raises:
         AddressInUseError: another listener holds the address (a live socket answered, or ``bind`` lost a
@@ -518,7 +519,7 @@ def _connect_socket(addr: Any, address: Any, deadline: float | None, timeout: fl
 def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, pool: SharedPool | None = None,
             device: int | None = None, ordering: str = "event", allow_uids: Iterable[int] | None = None,
             allow_gids: Iterable[int] | None = None, hello_overrides: dict[str, Any] | None = None,
-            wait: bool = False, ring: bool = True, spin: float = 0.0, **remote: Any) -> Channel:
+            wait: bool = False, ring: bool = True, spin: float | str = 0.0, **remote: Any) -> Channel:
     """Connect to a :func:`listen` address and complete the handshake.
 
     ``"tcp://HOST:PORT"`` connects to a listener on another host (NIXL; ``token=`` /
@@ -539,7 +540,7 @@ def connect(address: str | os.PathLike[str], *, timeout: float | None = 10.0, po
             backlog, ``EAGAIN``, is retried within ``timeout`` with or without ``wait``.)
         ring: offer the shared-memory ring (:mod:`._ring`): used when the listener offers it too; not offered
             where :func:`._ring.ring_unavailable` gives a reason (then the socket alone is used).
-        spin: the channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps).
+        spin: the channel's :attr:`Channel.spin` (seconds a ``recv`` polls the ring before it sleeps, or ``"auto"``).
 
     Raises:
         SyscallError: ``socket`` or ``connect`` failed (``ENOENT``, ``ECONNREFUSED``: nobody listens).

@@ -11,9 +11,8 @@ altogether and the message is a ``repeat``.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .. import _driver as driver  # (at module level: an import in a function costs a send ~1.5 us)
 from ..errors import DmaBufError, InvalidArgumentError
@@ -21,6 +20,9 @@ from ._torch_views import BULK_ITEMS, bulk
 from .arrays import STORAGE, DeviceView, HostView, c_strides, shown_dtype, storage_dtype, wire_dtype
 from .pool import LIVE_POOLS, Block, SharedPool
 from .protocol import DTYPES, MAX_INT, MAX_ITEMS, MAX_META_BYTES, MAX_NAME_CHARS, MAX_NDIM
+
+if TYPE_CHECKING:
+    from ._link import Link
 
 __all__ = ["Source", "Found", "Placed", "Prepared", "Memo", "MemoTable", "batch_items", "check_meta", "order_writes", "prepare", "stream_handle", "inspect_array", "find", "lend_in_place",
            "place", "signatures", "wire_descs", "MAX_MEMOS"]

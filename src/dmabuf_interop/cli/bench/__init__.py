@@ -85,7 +85,9 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _spin_seconds(text: str) -> float:
+def _spin_seconds(text: str) -> float | str:
+    if text == "auto":
+        return "auto"  # the channels' adaptive spin (Channel.spin = "auto")
     try:
         value = float(text)
     except ValueError:
@@ -139,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--consumer-spin", type=_spin_seconds, default=0.0, metavar="SECONDS",
                    help=f"also measure {', '.join(SPINNING)} with a consumer that polls for up to SECONDS before "
                         "it sleeps (the channel's Channel.spin, reported unsupported where the channel has no such "
-                        "attribute; iceoryx2 polls Subscriber.receive), e.g. 50e-6; 0 (default): blocking "
+                        "attribute; iceoryx2 polls Subscriber.receive), e.g. 50e-6; 'auto': the channels' "
+                        "adaptive spin (iceoryx2 has none: its run is reported unsupported); 0 (default): blocking "
                         "consumers only")
     p.add_argument("--devices", type=_devices, default=(0, 0), metavar="P,C",
                    help="CUDA ordinals of the producer and the consumer (default 0,0)")
@@ -287,14 +290,15 @@ def main(args: argparse.Namespace) -> int:
         "plot": None,
     }
     runnable = [n for n in names if installed(MECHANISMS[n][1]) and (cuda_ok or n in CUDA_FREE)]
-    spin: float = args.consumer_spin
-    spinners = [n for n in names if n in SPINNING and n in runnable] if spin > 0 else []
+    spin: float | str = args.consumer_spin
+    spinners = [n for n in names if n in SPINNING and n in runnable] if spin == "auto" or spin > 0 else []
     results["config"]["consumer_spin"] = spin
     progress = Progress((len(runnable) + len(spinners)) * len(sizes))
     progress.say(f"{len(names)} mechanism(s), sizes {','.join(size_label(s) for s in sizes)}, {args.reps} reps "
                  f"after {args.warmup} warm-ups" + (f", producer GPU {producer}, consumer GPU {consumer}"
                                                     if cuda_ok else "")
-                 + (f"; then {', '.join(spinners)} with the consumer spinning up to {spin:g} s" if spinners else ""))
+                 + (f"; then {', '.join(spinners)} with the consumer spinning "
+                    f"{'adaptively (spin auto)' if spin == 'auto' else f'up to {spin:g} s'}" if spinners else ""))
     failed = False
     try:
         for i, name in enumerate(names, 1):

@@ -116,7 +116,11 @@ def peers(base: type) -> dict[str, type]:
         def setup(self) -> dict[str, Any]:
             self.iox2 = iceoryx2()
             out = super().setup()
-            self.spin = float(self.cfg.get("spin", 0))
+            spin = self.cfg.get("spin", 0)
+            if spin == "auto":
+                raise NotSupportedError("iceoryx2 has no adaptive spin (--consumer-spin auto is the channels' "
+                                        "Channel.spin = 'auto'): give a number of seconds to compare with it")
+            self.spin = float(spin)
             self.node = node(self.iox2)
             return {**out, "iceoryx2": metadata.version("iceoryx2")}
 

@@ -405,10 +405,11 @@ class ChannelPeer(Peer):
 
             self.ch = connect(self.address, timeout=self.timeout, device=None if self.host else self.consumer_device,
                               ring=self.ring)
-            spin = float(self.cfg.get("spin", 0))
+            spin = self.cfg.get("spin", 0)
+            spin = spin if spin == "auto" else float(spin)
             if hasattr(self.ch, "spin"):
                 self.ch.spin = spin
-            elif spin > 0:
+            elif spin:
                 raise NotSupportedError("this Channel has no spin attribute: its consumer cannot poll before it "
                                         "sleeps (it blocks in recv)")
         self.received = self.ch.recv(self.timeout, stream=stream)

@@ -15,7 +15,8 @@ each kind and their JSON types, ``?`` marking optional ones:
 kind       direction        fields
 =========  ===============  =================================================================
 config     parent -> child  mechanism, sizes [bytes], reps, warmup, devices [P, C], timeout (s),
-                            spin? (s the consumer polls before it sleeps; 0 or absent: it blocks)
+                            spin? (s the consumer polls before it sleeps; 0 or absent: it blocks;
+                            ``"auto"``: a channel's adaptive spin)
 hello      child -> parent  role, status (``ok``/``not installed``/``unsupported``/``error``),
                             reason?, versions?, pid?
 rec        child -> parent  t: three ``CLOCK_MONOTONIC`` ns stamps (producer: t0, t_exp, t_send;
@@ -75,7 +76,7 @@ _NUM = (int, float)
 #: kind -> {field: JSON type(s)}; a name ending in ``?`` is optional.
 SPEC: dict[str, dict[str, Any]] = {
     "config": {"mechanism": str, "sizes": list, "reps": int, "warmup": int, "devices": list, "timeout": _NUM,
-               "spin?": _NUM},
+               "spin?": (int, float, str)},
     "hello": {"role": str, "status": str, "reason?": (str, type(None)), "versions?": dict, "pid?": int},
     "rec": {"t": list, "steps?": dict, "first_share?": bool},
     "first": {"t": list},
@@ -110,8 +111,9 @@ def _deep(kind: str, msg: dict[str, Any]) -> str | None:
             return "devices must be two CUDA ordinals"
         if msg["reps"] < 1 or msg["warmup"] < 0 or not msg["timeout"] > 0:
             return "reps >= 1, warmup >= 0 and timeout > 0"
-        if not 0 <= msg.get("spin", 0) <= 1:
-            return "spin must be 0 to 1 s"
+        spin = msg.get("spin", 0)
+        if spin != "auto" and (isinstance(spin, (str, bool)) or not 0 <= spin <= 1):
+            return "spin must be 0 to 1 s, or \"auto\""
     elif kind == "rec":
         t = msg["t"]
         if len(t) != 3 or not _is(t[0], int) or not all(x is None or _is(x, int) for x in t[1:]):

@@ -9,7 +9,8 @@ from typing import Any
 from .._units import MiB, size_label
 from .catalog import MECHANISMS
 from .targets import (BANDWIDTH_RATIO, CHANNEL_RATIO, CHANNEL_SPIN_RATIO, CHANNEL_TAIL, DMABUF_EXPORT_RATIO,
-                      FIRST_HANDOFF_RATIO, HOST_RATIO, LATENCY_RATIO, POSIX_FD_OVERHEAD, THROUGHPUT_PER_S, cell_median, ratio)
+                      FIRST_HANDOFF_RATIO, HOST_RATIO, LATENCY_RATIO, POSIX_FD_OVERHEAD, THROUGHPUT_PER_S,
+                      cell_median, ratio)
 
 __all__ = ["JSON_SCHEMA", "fmt", "print_table", "print_targets", "pyplot", "plot", "write_json"]
 
@@ -36,7 +37,10 @@ def _verdict(met: bool | None) -> str:
 def _channel_mode(fig: dict[str, Any]) -> str:
     """One consumer mode's figures of the channel target: ratio to torch-ipc, p99 spread, against posix-fd-cached."""
     pfd = fig["posix_fd_cached_us"]
-    vs = "" if pfd is None else f", {fmt(fig['median_us'])} {'<=' if fig['at_or_below_posix_fd_cached'] else '>'} {fmt(pfd)} us"
+    if pfd is None:
+        vs = ""
+    else:
+        vs = f", {fmt(fig['median_us'])} {'<=' if fig['at_or_below_posix_fd_cached'] else '>'} {fmt(pfd)} us"
     return f"{fig['ratio']:.2f}x (p99 {fig['p99_over_median']:.1f}x{vs})"
 
 
@@ -53,7 +57,8 @@ def _cpu_table(results: dict[str, Any], w: Any) -> None:
     w(f"\nhand-off (total) median and p99, us; CPU us per hand-off of each side's process over the timed "
       f"repetitions (in parentheses: inside send / recv, a consumer's wait included); path: a channel's "
       f"shared-memory ring or its socket alone; consumer blocking"
-      + (f", or spinning up to {spin * 1e6:g} us before it sleeps" if spinning else "") + ":\n")
+      + ((", or spinning adaptively (Channel.spin = 'auto')" if spin == "auto" else
+          f", or spinning up to {spin * 1e6:g} us before it sleeps") if spinning else "") + ":\n")
     w(f"{'mechanism':<20}{'consumer':>9}{'size':>8}{'median':>9}{'p99':>9}{'CPU producer':>16}{'CPU consumer':>16}"
       f"{'path':>8}\n")
     for name, mode, m in runs:

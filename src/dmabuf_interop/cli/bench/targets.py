@@ -14,7 +14,8 @@ from .catalog import GPU_HANDOFF_OURS
 from .stats import Stats
 
 __all__ = ["LATENCY_RATIO", "BANDWIDTH_RATIO", "POSIX_FD_OVERHEAD", "DMABUF_EXPORT_RATIO", "CHANNEL_RATIO",
-           "CHANNEL_SPIN_RATIO", "CHANNEL_TAIL", "FIRST_HANDOFF_RATIO", "THROUGHPUT_PER_S", "HOST_RATIO", "HANDOFF_TARGET_MS",
+           "CHANNEL_SPIN_RATIO", "CHANNEL_TAIL", "FIRST_HANDOFF_RATIO", "THROUGHPUT_PER_S", "HOST_RATIO",
+           "HANDOFF_TARGET_MS",
            "COPY_TARGET_RATIO", "PEER_TARGET_RATIO", "BACKEND_LIMIT_RATIO", "BACKEND_PEER_RATIO",
            "OVERHEAD_TARGET_PCT", "ratio", "cell_median", "row_p50", "bench_targets", "channel_target", "host_target",
            "workload_targets", "remote_verdict"]
@@ -202,7 +203,8 @@ def channel_target(results: dict[str, Any]) -> dict[str, Any]:
                            "per_size": []}
     if ch.get("status") != "ok" or torch.get("status") != "ok":
         out["met"] = None
-        out["note"] = f"not evaluated: channel {ch.get('status', 'not run')}, torch-ipc {torch.get('status', 'not run')}"
+        out["note"] = (f"not evaluated: channel {ch.get('status', 'not run')}, "
+                       f"torch-ipc {torch.get('status', 'not run')}")
         return out
     tcells = {c["size"]: c for c in torch["cells"]}
     pfd = mechs.get("posix-fd-cached", {})
