@@ -484,9 +484,8 @@ class Reading:
         a message that ends the connection, or breaks the protocol, ends it here (:meth:`_end`). Returns
         False when nothing arrived by ``deadline`` (the caller's own deadline check raises), else True.
         ``spin``: seconds to poll the ring before sleeping, or ``"auto"`` (:mod:`._spin`). The background reader
-        parks an array message
-        (a socket message or a ring slot) while :attr:`max_queued` are queued (:func:`_read_loop` takes
-        it once there is room)."""
+        parks an array message (a socket message or a ring slot) while :attr:`max_queued` are queued
+        (:func:`_read_loop` takes it once there is room)."""
         if self._proto.ended:
             return True
         conn = self._conn

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["AUTO", "AUTO_SPIN_MAX", "AUTO_SPIN_MIN_CPUS", "AdaptiveSpin", "SLACK", "WAIT_CAP", "WEIGHT", "usable_cpus"]
+__all__ = ["AUTO", "AUTO_SPIN_MAX", "AUTO_SPIN_MIN_CPUS", "AdaptiveSpin", "SLACK", "WAIT_CAP", "WEIGHT",
+           "usable_cpus"]
 
 #: The value of ``spin`` (``Channel.spin``, ``recv(spin=)``, ``listen``/``connect``) that asks for the adaptive spin.
 AUTO = "auto"
