@@ -772,6 +772,74 @@ def test_a_pool_that_retires_a_chunk_keeps_its_timeout_while_another_send_holds_
             x.close()
 
 
+def test_a_deferred_job_runs_once_under_the_send_lock_and_a_failing_one_is_logged(
+        addr: str, pool: SharedPool, caplog: pytest.LogCaptureFixture) -> None:
+    listener, prod, cons = pair(addr, pool)
+    link = prod._link
+    ran: list[bool] = []
+    assert link.acquire(1)
+    link.defer(lambda: 1 / 0)  # deferred: the lock is held
+    link.defer(lambda: ran.append(link.held_here()))
+    assert ran == []
+    link.release()  # both run now, in this thread, under the lock; the first's error does not reach here
+    assert ran == [True] and not link.lock.locked() and not link.due
+    assert "a job deferred to the channel's send lock failed" in caplog.text and "ZeroDivisionError" in caplog.text
+    link.defer(lambda: ran.append(True))  # the lock is free: at once
+    assert ran == [True, True]
+    for x in (cons, prod, listener):
+        x.close()
+
+
+def test_a_close_during_the_first_send_leaves_no_reader_to_fail(addr: str) -> None:
+    """The background reader starts after the first message; a ``close()`` that ended the connection while that
+    send was stuck on a slow peer leaves it nothing to read: no thread dies on the closed socket."""
+    died: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda a: died.append(a.exc_value)
+    try:
+        for _ in range(12):
+            with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+                listener, prod, cons = pair(addr, pool)
+                prod._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the peer does not read
+                a = pool.empty(8, "uint8")
+                sending = in_thread(lambda: prod.send(a, meta={"pad": "x" * 60000}, timeout=5))
+                time.sleep(0.1)
+                prod.close(timeout=0.2)
+                with pytest.raises(ClosedError):
+                    sending(10)
+                time.sleep(0.1)  # a reader started after the send has run by now
+                for x in (cons, listener):
+                    x.close()
+    finally:
+        threading.excepthook = hook
+    assert died == []
+
+
+def test_a_reader_that_cannot_start_after_the_first_send_is_logged_and_the_lease_returned(
+        addr: str, pool: SharedPool, caplog: pytest.LogCaptureFixture) -> None:
+    """The message is out when the reader starts: a thread that cannot start fails nothing (the lease is lent and
+    returned); the next send starts it."""
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(8, "uint8")
+    a[:] = 5
+    threading.stack_size(1 << 40)  # no thread can start now
+    try:
+        lease = prod.send(a, timeout=5)
+    finally:
+        threading.stack_size(0)
+    assert prod._reader is None and "background reader could not start" in caplog.text
+    with cons.recv(5) as r:
+        assert (r.as_array() == 5).all()
+    b = pool.empty(8, "uint8")
+    second = prod.send(b, timeout=5)  # starts the reader, which reads both releases
+    assert prod._reader is not None
+    cons.recv(5).release()
+    lease.wait(5)
+    second.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_a_busy_consumer_batches_its_releases(addr: str) -> None:
     """On the socket (no shared-memory ring: its releases need no message), a busy consumer's releases share
     messages."""

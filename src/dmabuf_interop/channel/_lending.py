@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import logging
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from .wire import encode_repeat
 
 __all__ = ["Lending"]
 
+log = logging.getLogger("dmabuf_interop.channel")
 _MAX_SLOT_LAYOUT = (1 << 32) - 1  # a ring slot's layout field is a u32
 _monotonic = time.monotonic
 
@@ -155,16 +157,28 @@ class Lending:
             with self._state:
                 self._proto.unlend(lease.id)
             lease._complete("closed")
-            raise
-        finally:
             if self._reader is None:
-                # The release of this lease must be read even if recv() is never called, and the end of a connection
-                # a send broke seen. Started once the message is out: the peer takes it while the thread starts (a
-                # channel's first send; a thread start costs 0.1-0.7 ms). A release that comes first waits in the
-                # socket or the ring for the reader. (A thread that cannot start raises here, the lease lent: the
-                # next send starts the reader, or the end completes it.)
-                self._start_reader()
+                self._reader_after_send()  # (the end of a connection this send broke is seen by it)
+            raise
+        if self._reader is None:
+            self._reader_after_send()
         return lease
+
+    def _reader_after_send(self) -> None:
+        """Start the background reader after the channel's first message (from :meth:`_lend_out`): the release
+        of its lease must be read even if ``recv()`` is never called, and the end of a connection a send broke
+        seen. Started once the message is out, not before: the peer takes it while the thread starts (a thread
+        start costs 0.1-0.7 ms); a release that comes first waits in the socket or the ring. Not on a connection
+        that has ended (a ``close()`` during the send). A thread that cannot start is logged, not raised: the
+        message is out and its lease lent, so the caller gets the lease; the next send tries again (a ``recv``
+        reads the socket meanwhile, and ``Lease.wait`` takes the releases in the ring itself)."""
+        if self._proto.ended:
+            return
+        try:
+            self._start_reader()
+        except RuntimeError as exc:  # "can't start new thread"
+            log.warning("the channel's background reader could not start (%s): its releases are read by the "
+                        "next send or recv", exc)
 
     def _push_again(self, lease_id: int, memo: Memo, order: str, event: bytes | None, deadline: float | None) -> bool:
         """Publish a repeat of ``memo``'s layout in the ring (:meth:`_push`, under the send lock); False: not

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ __all__ = ["Link", "SEND_TIMEOUT"]
 #: off part-way ends the connection.
 SEND_TIMEOUT = 60.0
 
+log = logging.getLogger("dmabuf_interop.channel")
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
 
@@ -80,7 +82,8 @@ class Link:
     def defer(self, job: Callable[[], None]) -> None:
         """Run ``job`` under the send lock without waiting for it: now if the lock is free, else in the thread
         that holds it, right after it lets go (:meth:`release`). Jobs run in the order deferred. ``job`` must not
-        raise, nor take the lock again.
+        take the lock again; one that raises is logged (``ERROR``), not raised into the unrelated call that let
+        the lock go.
 
         Why: a caller with a timeout of its own (``SharedPool.empty`` retiring an idle chunk) must not wait,
         with no limit, for another thread's send, which may wait for a slow peer. A job appended while a holder
@@ -95,7 +98,10 @@ class Link:
             self.owner = _get_ident()
             try:
                 while due:
-                    due.popleft()()
+                    try:
+                        due.popleft()()
+                    except Exception:  # noqa: BLE001 - our bug, not the caller's: logged, the next job runs
+                        log.exception("a job deferred to the channel's send lock failed")
             finally:
                 self.owner = 0
                 self.lock.release()

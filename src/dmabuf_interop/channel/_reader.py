@@ -250,9 +250,11 @@ def _read_loop(ref: "weakref.ref[Reading]", conn: _Conn) -> None:
     what arrived through it; a channel collected meanwhile (its finalizer shut the socket down) is ended
     here."""
     poller = select.poll()
-    poller.register(conn.sock, _POLLIN)  # (POLLHUP, POLLERR: always)
     ring_polled = False
     with conn.read_lock:  # waits for a recv() reading in its caller's thread to finish
+        if conn.proto.ended:
+            return  # (ended before this thread ran, e.g. by a close() during the first send: the socket is closed)
+        poller.register(conn.sock, _POLLIN)  # (POLLHUP, POLLERR: always; the socket is closed only under read_lock)
         while not conn.proto.ended:
             rings = conn.rings
             if conn.parked:
