@@ -402,7 +402,7 @@ def _copy_into(block: Block, src: Source, nbytes: int, strides: tuple[int, ...],
 class MemoTable:
     """The placements a channel lent whose every array lay in one of its pool's blocks (:class:`Memo`),
     by :meth:`Memo.key_of`, at most ``limit`` (the oldest forgotten first). Changed only under the
-    channel's send lock (``lock``); read without it by :meth:`lend_again`, whose result is checked."""
+    channel's send lock (``link``'s); read without it by :meth:`lend_again`, whose result is checked."""
 
     def __init__(self, link: "Link", limit: int = MAX_MEMOS) -> None:
         self._link = link

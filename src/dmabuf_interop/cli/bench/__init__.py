@@ -138,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_count(0), default=3, help="untimed repetitions first (default 3)")
     p.add_argument("--mechanisms", type=_mechanisms, default=list(MECHANISMS),
                    help=f"comma-separated, default all: {','.join(MECHANISMS)}")
-    p.add_argument("--consumer-spin", type=_spin_seconds, default=0.0, metavar="SECONDS",
+    p.add_argument("--consumer-spin", type=_spin_seconds, default=0.0, metavar="SECONDS|auto",
                    help=f"also measure {', '.join(SPINNING)} with a consumer that polls for up to SECONDS before "
                         "it sleeps (the channel's Channel.spin, reported unsupported where the channel has no such "
                         "attribute; iceoryx2 polls Subscriber.receive), e.g. 50e-6; 'auto': the channels' "
