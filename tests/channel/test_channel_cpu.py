@@ -772,6 +772,39 @@ def test_a_pool_that_retires_a_chunk_keeps_its_timeout_while_another_send_holds_
             x.close()
 
 
+def test_a_retire_still_deferred_is_counted_before_the_next_announce(addr: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the chunk limit, a send that takes the send lock before a deferred retire has run (the holder let go and
+    this send took the lock first) runs the retire itself before it counts: the new chunk is not refused."""
+    from dmabuf_interop.channel import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "MAX_CHUNKS", 1)
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        listener, prod, cons = pair(addr, pool)
+        a = pool.empty(8, "uint8")
+        lease = prod.send(a)
+        cons.recv(5).release()
+        lease.wait(5)
+        first = pool._chunks[0].id
+        del a
+        gc.collect()
+        assert prod._link.acquire(1)
+        assert pool.trim() == 1  # the retire is deferred: the lock is held
+        assert prod._proto.is_announced(first) and prod._link.due
+        prod._link.lock.release()  # let go as a holder does, before it runs what was deferred
+        b = pool.empty(16, "int32")  # a second chunk (and no placement remembered for it): over the limit of 1
+        # unless the retire is counted first
+        b[:] = 3
+        lease = prod.send(b, timeout=5)
+        assert not prod._proto.is_announced(first) and not prod._link.due
+        with cons.recv(5) as r:
+            assert (r.as_array() == 3).all()
+        lease.wait(5)
+        assert first not in cons._imports
+        for x in (cons, prod, listener):
+            x.close()
+
+
 def test_a_deferred_job_runs_once_under_the_send_lock_and_a_failing_one_is_logged(
         addr: str, pool: SharedPool, caplog: pytest.LogCaptureFixture) -> None:
     listener, prod, cons = pair(addr, pool)

@@ -47,6 +47,7 @@ class Lending:
         if not link.acquire_by(deadline):
             raise WaitTimeoutError("another thread's send held the connection past the timeout")
         try:  # checked again: two threads may lend blocks of a new chunk at once
+            link.run_due_held()  # a retire deferred meanwhile is counted before the chunk limit is checked
             if not self._proto.is_announced(chunk.id):
                 if not self._proto.can_announce():  # the peer would refuse it and end the connection
                     raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "

@@ -92,16 +92,21 @@ class Link:
         self.due.append(job)
         self._run_due()
 
-    def _run_due(self) -> None:
+    def run_due_held(self) -> None:
+        """(The caller holds the send lock.) Run the jobs :meth:`defer` left so far, in this thread: a holder that
+        depends on them (the count of chunks a ``retire`` lowers) need not wait for the last holder's release."""
         due = self.due
-        while due and self.lock.acquire(False):
+        while due:
+            try:
+                due.popleft()()
+            except Exception:  # noqa: BLE001 - our bug, not the caller's: logged, the next job runs
+                log.exception("a job deferred to the channel's send lock failed")
+
+    def _run_due(self) -> None:
+        while self.due and self.lock.acquire(False):
             self.owner = _get_ident()
             try:
-                while due:
-                    try:
-                        due.popleft()()
-                    except Exception:  # noqa: BLE001 - our bug, not the caller's: logged, the next job runs
-                        log.exception("a job deferred to the channel's send lock failed")
+                self.run_due_held()
             finally:
                 self.owner = 0
                 self.lock.release()
