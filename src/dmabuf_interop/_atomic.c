@@ -92,19 +92,29 @@ do_load(PyObject *const *args, Py_ssize_t nargs, const char *name, int order)
     return PyLong_FromUnsignedLongLong(v);
 }
 
+/* A store's target and value: args[0] a writable buffer, args[1] the offset, args[2] the value (OverflowError:
+ * < 0 or >= 2**64). NULL with the error set; else *view holds the buffer, to be released. */
+static uint64_t *
+store_target(PyObject *const *args, uint64_t *value, Py_buffer *view)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    *value = (uint64_t)v;
+    return at(args[0], args[1], 8, 1, view);
+}
+
 static PyObject *
 do_store(PyObject *const *args, Py_ssize_t nargs, const char *name, int order)
 {
     Py_buffer view;
+    uint64_t v;
     if (!nargs_ok(nargs, 3, name))
         return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]); /* OverflowError: < 0 or >= 2**64 */
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    uint64_t *p = at(args[0], args[1], 8, 1, &view);
+    uint64_t *p = store_target(args, &v, &view);
     if (p == NULL)
         return NULL;
-    __atomic_store_n(p, (uint64_t)v, order);
+    __atomic_store_n(p, v, order);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -149,12 +159,10 @@ static PyObject *
 store_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer mine, theirs;
+    uint64_t v;
     if (!nargs_ok(nargs, 5, "store_load"))
         return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]); /* OverflowError: < 0 or >= 2**64 */
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    uint64_t *p = at(args[0], args[1], 8, 1, &mine);
+    uint64_t *p = store_target(args, &v, &mine);
     if (p == NULL)
         return NULL;
     uint64_t *q = at(args[3], args[4], 8, 0, &theirs);
@@ -162,7 +170,7 @@ store_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&mine);
         return NULL;
     }
-    __atomic_store_n(p, (uint64_t)v, __ATOMIC_SEQ_CST);
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
     uint64_t got = __atomic_load_n(q, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&theirs);
     PyBuffer_Release(&mine);

@@ -19,8 +19,7 @@ from typing import Any
 
 from .. import _forks
 from .._time import deadline_after
-from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError,
-                      WaitTimeoutError)
+from ..errors import ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError
 from ._reader import _ring_releases
 from ._ring_region import LEASE_LIMIT
 from .lease import Lease, next_lease_id
@@ -44,8 +43,7 @@ class Lending:
         if self._proto.is_announced(chunk.id):
             return
         link = self._link
-        if not link.acquire_by(deadline):
-            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        link.acquire_by(deadline)
         try:  # checked again: two threads may lend blocks of a new chunk at once
             link.run_due_held()  # a retire deferred meanwhile is counted before the chunk limit is checked
             if not self._proto.is_announced(chunk.id):
@@ -158,11 +156,10 @@ class Lending:
             with self._state:
                 self._proto.unlend(lease.id)
             lease._complete("closed")
-            if self._reader is None:
-                self._reader_after_send()  # (the end of a connection this send broke is seen by it)
             raise
-        if self._reader is None:
-            self._reader_after_send()
+        finally:
+            if self._reader is None:  # (the end of a connection a failed send broke is seen by it too)
+                self._reader_after_send()
         return lease
 
     def _reader_after_send(self) -> None:
@@ -187,8 +184,7 @@ class Lending:
         if self._rings is None:
             return False
         link = self._link
-        if not link.acquire_by(deadline):
-            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        link.acquire_by(deadline)
         try:
             return self._memos.is_current(memo) and self._push(lease_id, memo.layout, order, event)
         finally:
@@ -208,8 +204,7 @@ class Lending:
         else by the socket."""
         link = self._link
         if memo is not None:
-            if not link.acquire_by(deadline):
-                raise WaitTimeoutError("another thread's send held the connection past the timeout")
+            link.acquire_by(deadline)
             try:
                 if self._memos.is_current(memo):
                     link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
@@ -221,8 +216,7 @@ class Lending:
                                p.dtype) for p in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
-        if not link.acquire_by(deadline):
-            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+        link.acquire_by(deadline)
         try:
             choice = self._proto.choose_layout(key, single=mapping is None)
             if not choice.define:

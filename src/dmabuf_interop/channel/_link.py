@@ -58,13 +58,17 @@ class Link:
             return True
         return False
 
-    def acquire_by(self, deadline: float | None) -> bool:
-        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``."""
+    def acquire_by(self, deadline: float | None) -> None:
+        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``.
+
+        Raises:
+            WaitTimeoutError: another thread's send held it past that.
+        """
         lock = self.lock
         if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
             self.owner = _get_ident()
-            return True
-        return False
+            return
+        raise WaitTimeoutError("another thread's send held the connection past the timeout")
 
     def try_acquire(self) -> bool:
         """Take the send lock if it is free."""

@@ -598,39 +598,37 @@ class Reading:
                     adapt = conn.adaptive = AdaptiveSpin()
                 spin = adapt.budget()
                 began = _monotonic()
-            if spin > 0:  # load-bearing for latency: a consumer awake when the slot lands pays no wake-up
-                until = _monotonic() + (spin if left is None else min(spin, left))
-                peek = rings.peek_sock_seq
-                n = 0
-                while True:
-                    if peek() is not None:
-                        if adapt is not None:
-                            adapt.observe(_monotonic() - began)
-                        return False
-                    n += 1
-                    if n % _SPIN_SOCKET_EVERY == 0:
-                        events = poller.poll(0)
-                        if events or _monotonic() >= until:
-                            break
-            if not events:
-                if not rings.sleep_begin():
-                    if adapt is not None:
-                        adapt.observe(_monotonic() - began)
-                    return False  # something arrived meanwhile
-                try:
-                    events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
-                finally:
-                    # Load-bearing for a blocking consumer's latency: the wake-up is read at the next wait (the
-                    # poll(0) at the top finds it), not between the wake and the slot (two recv and an exception).
-                    rings.sleep_end(drain=False)
-                if adapt is not None:
-                    adapt.observe(_monotonic() - began)  # (a wait that ended in the timeout counts as long)
+            try:
+                if spin > 0:  # load-bearing for latency: a consumer awake when the slot lands pays no wake-up
+                    until = _monotonic() + (spin if left is None else min(spin, left))
+                    peek = rings.peek_sock_seq
+                    n = 0
+                    while True:
+                        if peek() is not None:
+                            return False
+                        n += 1
+                        if n % _SPIN_SOCKET_EVERY == 0:
+                            events = poller.poll(0)
+                            if events or _monotonic() >= until:
+                                break
                 if not events:
-                    left = remaining(deadline)
-                    return None if left is not None and left <= 0 else False
-                return any(fd != rings.wake_fd for fd, _ in events)
-            if adapt is not None:
-                adapt.observe(_monotonic() - began)  # the socket became readable during the spin
+                    if not rings.sleep_begin():
+                        return False  # something arrived meanwhile
+                    try:
+                        events = poller.poll(_poll_ms(deadline))  # PEP 475: an EINTR is retried
+                    finally:
+                        # Load-bearing for a blocking consumer's latency: the wake-up is read at the next wait (the
+                        # poll(0) at the top finds it), not between the wake and the slot (two recv and an exception).
+                        rings.sleep_end(drain=False)
+                    if not events:
+                        left = remaining(deadline)
+                        return None if left is not None and left <= 0 else False
+                    return any(fd != rings.wake_fd for fd, _ in events)
+            finally:
+                # Every wait measured once, however it ended: a slot seen while spinning, a wake-up, the socket
+                # readable, or the timeout (which counts as long).
+                if adapt is not None:
+                    adapt.observe(_monotonic() - began)
         if any(fd == rings.wake_fd for fd, _ in events):
             rings.drain()  # a wake-up left by the last sleep, or sent without one: read here
         return any(fd != rings.wake_fd for fd, _ in events)

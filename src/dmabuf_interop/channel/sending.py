@@ -238,7 +238,7 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
         if kind == 1:  # (a lazy conjugate or negative view of the same memory is another array)
             append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
         elif kind == 2:
-            try:
+            try:  # (_numpy_address, inline: a send of an array lent again makes this call, and a call costs it ~1 us)
                 ptr = _address(a)
             except _NO_ADDRESS:
                 ptr = a.ctypes.data
