@@ -672,7 +672,7 @@ def test_a_torn_slot_is_validated_as_copied_never_half_trusted(forged):
                 except ProtocolError:
                     outcomes["refused"] += 1
                     continue
-                slot = r._next
+                slot = RingSlot(*r._next)  # (the peeked fields, kept as a tuple for take)
                 _check_slot(slot)
                 key = (slot.sock_seq, slot.lease, slot.layout, slot.ordering)
                 outcomes[key] = outcomes.get(key, 0) + 1

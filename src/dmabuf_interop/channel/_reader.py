@@ -40,7 +40,6 @@ from ._link import Link
 from ._releases import ReleaseQueue
 from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, LayoutForgotten,
                      LeasesReleased, PeerClosed, PeerRefused, RingOffered)
-from ._ring_region import RingSlot
 from ._spin import AdaptiveSpin
 from ._torch_views import LayoutViews
 from .protocol import parse_message
@@ -54,7 +53,6 @@ _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
 _RING = object()  # (Reading._arrived) the next message is the peer ring's next slot
-_NO_FDS: list[int] = []  # (never changed) the fds of a ring slot
 #: Checks of the socket while a ``recv`` spins on the ring: one ``poll(0)`` every this many looks at the ring.
 _SPIN_SOCKET_EVERY = 32
 #: Seconds a ring slot may wait for the socket messages the peer sent before it (they are in this end's socket
@@ -518,13 +516,7 @@ class Reading:
                         conn.parked = True  # the socket (and the ring) stay unread: the peer's sends wait
                         return True
         if got is _RING:
-            try:
-                slot = conn.rings.take()  # copied out and validated
-            except (DmaBufError, OSError, ValueError) as exc:
-                self._proto.fail(exc)
-                self._end()
-                return True
-            self._take(slot, _NO_FDS)
+            self._take_slot()
             return True
         msg, fds = got
         conn.ahead = None
@@ -633,9 +625,8 @@ class Reading:
             rings.drain()  # a wake-up left by the last sleep, or sent without one: read here
         return any(fd != rings.wake_fd for fd, _ in events)
 
-    def _take(self, msg: dict[str, Any] | RingSlot, fds: list[int]) -> None:
-        """Handle one message read (its fds are closed after), ending the connection if it must: a socket
-        message, or a ring slot (a ``repeat`` whose fields :meth:`._ring.Rings.take` checked)."""
+    def _take(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """Handle one socket message read (its fds are closed after), ending the connection if it must."""
         try:
             self._handle(msg, fds)
         except (DmaBufError, OSError, ValueError) as exc:
@@ -643,48 +634,75 @@ class Reading:
             self._end()
         except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
             # Our failure, not the peer's: the message passed every check of the protocol.
-            kind = "repeat" if type(msg) is RingSlot else msg.get("kind")
-            self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: "
-                                        f"{type(exc).__name__}: {exc}"))
-            self._end()
+            self._fail_here(msg.get("kind"), exc)
         finally:
-            if fds:  # (a ring slot's are none)
+            if fds:
                 close_fds(fds)
 
-    def _handle(self, msg: dict[str, Any] | RingSlot, fds: list[int]) -> None:
-        """Hand one message (or ring slot) to the protocol state and act on its events: arrays are queued
+    def _fail_here(self, kind: Any, exc: Exception) -> None:
+        self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: {type(exc).__name__}: {exc}"))
+        self._end()
+
+    def _take_slot(self) -> None:
+        """Take the peer ring's next slot (copied out and checked by :meth:`._ring.Rings.take_fields`) and hand
+        it to the protocol state as the ``repeat`` it carries, queueing what arrived, as :meth:`_take` and
+        :meth:`_handle` do for a socket message; a slot that breaks the protocol ends the connection.
+
+        Speed (load-bearing: a consumer pays each call between its wake-up and ``recv``'s return): one call from
+        the slot to the queue; no record made for the slot, no loop over a socket message's events (a repeat's
+        are its arrival alone)."""
+        try:
+            _, lease, layout, ordering, event = self._conn.rings.take_fields()
+            with self._state_lock:  # (the Condition's own lock: notify_all below works under it)
+                for ev in self._proto.receive_slot(lease, layout, ordering,
+                                                   None if event is None else base64.b64encode(event).decode()):
+                    if type(ev) is ArraysArrived:
+                        self._queue_arrival(ev)
+                    else:  # EmptyBatch (a layout of no arrays): nothing to hold
+                        self._releases.pending.append(ev.lease)
+        except (DmaBufError, OSError, ValueError) as exc:
+            self._proto.fail(exc)
+            self._end()
+        except Exception as exc:  # noqa: BLE001 - as in _take
+            self._fail_here("repeat", exc)
+
+    def _queue_arrival(self, ev: ArraysArrived) -> None:
+        """(Under the state lock.) Queue arrays that arrived, their chunks retained: mapped until received,
+        whatever comes after (a ``retire``, the end of the connection; :meth:`make_received` takes them over)."""
+        imports = self._imports
+        if len(ev.chunks) == 1:  # (one chunk, a send()'s: no loop)
+            cid = ev.chunks[0]
+            chunk = imports[cid]
+            chunk.retain()
+            chunks = {cid: chunk}
+        else:
+            chunks = {}
+            for cid in ev.chunks:
+                chunk = chunks[cid] = imports[cid]
+                chunk.retain()
+        views = None
+        if ev.layout is not None:
+            views = self._layout_views.get(ev.layout)
+            if views is None:
+                views = self._layout_views[ev.layout] = LayoutViews()
+        self._queue.append(_Queued(ev, chunks, views))
+        if self._waiters:
+            self._state.notify_all()
+
+    def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """Hand one socket message to the protocol state and act on its events: arrays are queued
         (under the state lock, with the state's own step, so that a ``close`` between them cannot lose a
         lease); chunks are imported, retired chunks unmapped once unused, released leases completed."""
-        slot = msg if type(msg) is RingSlot else None
         descs = None
-        if slot is None and not (self._carrier.transport == "nixl" and isinstance(msg, dict)
-                                 and msg.get("kind") == "region"):
+        if not (self._carrier.transport == "nixl" and isinstance(msg, dict) and msg.get("kind") == "region"):
             _, descs = parse_message(msg)  # outside the state lock: a batch has thousands of descriptors
         with self._state_lock:  # (the Condition's own lock: notify_all below works under it)
-            if slot is not None:  # (no message made: the state's step for a repeat, straight from the slot)
-                ev = slot.event
-                events = self._proto.receive_slot(slot.lease, slot.layout, slot.ordering,
-                                                  None if ev is None else base64.b64encode(ev).decode())
-            else:
-                events = self._proto.receive(msg, len(fds), descs)
+            events = self._proto.receive(msg, len(fds), descs)
             for ev in events:
                 if type(ev) is ArraysArrived:
-                    chunks = {}
-                    for cid in ev.chunks:
-                        chunk = chunks[cid] = self._imports[cid]
-                        chunk.retain()  # mapped until received, whatever comes after (make_received)
-                    views = None
-                    if ev.layout is not None:
-                        views = self._layout_views.get(ev.layout)
-                        if views is None:
-                            views = self._layout_views[ev.layout] = LayoutViews()
-                    self._queue.append(_Queued(ev, chunks, views))
-                    if self._waiters:
-                        self._state.notify_all()
+                    self._queue_arrival(ev)
                 elif type(ev) is EmptyBatch:
                     self._releases.pending.append(ev.lease)  # nothing to hold
-        if slot is not None:
-            return  # (a repeat's events are its arrival alone: nothing below)
         for ev in events:
             t = type(ev)
             if t is ChunkAnnounced:

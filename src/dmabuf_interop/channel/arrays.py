@@ -51,8 +51,11 @@ class HostView:
     """
 
     def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, keep: tuple) -> None:
-        self.__array_interface__ = {"version": 3, "data": (ptr, False), "shape": tuple(shape),
-                                    "strides": tuple(strides), "typestr": typestr}
+        # (a descriptor's shape and strides are tuples already: no copies on a receiver's hot path)
+        self.__array_interface__ = {"version": 3, "data": (ptr, False),
+                                    "shape": shape if type(shape) is tuple else tuple(shape),
+                                    "strides": strides if type(strides) is tuple else tuple(strides),
+                                    "typestr": typestr}
         self.keep = keep
 
 

@@ -26,6 +26,19 @@ _BATCH = operator.attrgetter("_batch")
 _SIGNED = {1: "int8", 2: "int16", 4: "int32"}
 
 
+#: ``numpy.asarray``, bound on first use (``import numpy`` in a function costs each call; at module level, the
+#: package's import a tenth of a second).
+_asarray: Any = None
+
+
+def _load_asarray() -> Any:
+    global _asarray
+    import numpy
+
+    _asarray = numpy.asarray
+    return _asarray
+
+
 #: Guards every Hold's count of items left: held for a few lines, and one lock per message would cost a receive
 #: its allocation (1-2 us in a process idle between messages).
 _COUNTS = threading.Lock()
@@ -195,19 +208,21 @@ class Received:
         chunk = self._chunk
         if chunk.device < 0:
             typestr, dt = _HOST_DTYPES.get(d.dtype) or _host_dtype(d.dtype)
+            # (_host_view, inline: a consumer woken for the array pays about a microsecond a call)
+            buf = chunk.buf
+            arr = (_asarray or _load_asarray())(HostView(buf.ptr + d.block_offset + d.byte_offset, d.shape, d.strides, typestr,
+                                    (self, ChunkRef(chunk), buf._mapping.map)))
             # (ml_dtypes: the typestr would say only 'V2'; the storage int's view gets the dtype)
-            return self._host_view(typestr) if dt is None else self._host_view(typestr).view(dt)
+            return arr if dt is None else arr.view(dt)
         # (_device_view, inline: a consumer woken for the array pays about a microsecond a call)
         dt = _DEVICE_DTYPES.get(d.dtype) or device_dtype(d.dtype)
         return DeviceView(chunk.buf.ptr + d.block_offset + d.byte_offset, d.shape, d.elements[1], dt, chunk.device,
                           d.span, (self, ChunkRef(chunk)), d.dtype)
 
     def _host_view(self, typestr: str) -> Any:
-        import numpy as np
-
         d = self.descriptor
         keep = (self, ChunkRef(self._chunk), self._chunk.buf._mapping.map)
-        return np.asarray(HostView(self._ptr, d.shape, d.strides, typestr, keep))
+        return (_asarray or _load_asarray())(HostView(self._ptr, d.shape, d.strides, typestr, keep))
 
     def _device_view(self, dt: Any) -> DeviceView:
         d = self.descriptor
