@@ -615,15 +615,18 @@ class Reading:
                     if not events:
                         left = remaining(deadline)
                         return None if left is not None and left <= 0 else False
-                    return any(fd != rings.wake_fd for fd, _ in events)
+                    # (not any() over a generator: a consumer just woken pays for each step on its way to the slot)
+                    return len(events) > 1 or events[0][0] != rings.wake_fd  # the socket's, unless the wake fd's alone
             finally:
                 # Every wait measured once, however it ended: a slot seen while spinning, a wake-up, the socket
                 # readable, or the timeout (which counts as long).
                 if adapt is not None:
                     adapt.observe(_monotonic() - began)
-        if any(fd == rings.wake_fd for fd, _ in events):
+        # (poll reports each registered fd at most once: the socket and the wake fd)
+        woken = any(fd == rings.wake_fd for fd, _ in events)
+        if woken:
             rings.drain()  # a wake-up left by the last sleep, or sent without one: read here
-        return any(fd != rings.wake_fd for fd, _ in events)
+        return len(events) > 1 or not woken
 
     def _take(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Handle one socket message read (its fds are closed after), ending the connection if it must."""

@@ -446,8 +446,21 @@ class MemoTable:
     def single_again(self, array: Any) -> "Memo | None":
         """:meth:`lend_again` of one array sent alone (``send``), in fewer steps (a sender's hot path): its memo,
         the block referenced again, or ``None`` (no such placement remembered, or its block was freed)."""
-        sigs = _signatures((array,))
-        memo = self._memos.get((False, sigs)) if sigs is not None else None  # (Memo.key_of of one unnamed array)
+        # (_signatures, inline for one array: this is the call a send of an array lent again makes)
+        kind = _SIG_KINDS.get(type(array))
+        if kind == 2:
+            try:
+                ptr = _address(array)
+            except _NO_ADDRESS:
+                ptr = array.ctypes.data
+            sig = (ptr, array.shape, array.strides, array.dtype)
+        elif kind == 1:
+            sig = (array.data_ptr(), array.shape, array.stride(), array.dtype, array.is_conj(), array.is_neg())
+        elif kind == 3:
+            sig = (3, array.ptr, array.shape, array.strides, array.dtype)
+        else:
+            return None
+        memo = self._memos.get((False, (sig,)))  # (Memo.key_of of one unnamed array)
         if memo is None:
             return None
         pool, blocks = memo.by_pool[0]
