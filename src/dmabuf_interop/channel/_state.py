@@ -520,7 +520,7 @@ class ConnectionState:
 
     def receive_slot(self, lease: int, layout: int, ordering: str, event: str | None) -> list[Event]:
         """A ``repeat`` that came as a slot of the peer's shared-memory ring, whose fields
-        :meth:`._ring.Rings.take` checked: what :meth:`receive` makes of ``{"kind": "repeat", "lease": lease,
+        :meth:`._ring.Rings.take_fields` checked: what :meth:`receive` makes of ``{"kind": "repeat", "lease": lease,
         "layout": layout, "ordering": ordering, "event": event, "meta": None}``, without the message.
 
         Raises:
