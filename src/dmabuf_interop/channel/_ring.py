@@ -66,11 +66,12 @@ two runs: ``try_push`` 0.5-0.8 us (and one wake-up ``send`` more when the peer s
 ``recv`` that drains it, 4.5-7.4 us more, at load average 0.4); ``peek_sock_seq``
 0.1-0.2 us with nothing published; ``peek_sock_seq`` + ``take`` 1.7-2.5 us a slot (0.6 us of it builds the
 frozen ``RingSlot``, which ``take_fields``, the reader's call, does not: about 0.65 us for the pair with it, push
-not counted, measured later at load average near 0); ``push_releases`` of one id 0.8-1.3 us; ``take_releases`` 0.1-0.2 us with none, about
-1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.8-2.0 us (a ``recv`` that finds nothing). The tricks: the peer's heads
-are cached and loaded again only when the cache says full; a peeked slot is kept for ``take``; a slot is packed
-and unpacked by one precompiled ``struct.Struct`` call; the atomics are ``METH_FASTCALL`` C functions bound to
-module globals; this end's counters are Python ints, never read back from the region.
+not counted, measured later at load average near 0); ``push_releases`` of one id 0.8-1.3 us; ``take_releases``
+0.1-0.2 us with none, about 1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.8-2.0 us (a ``recv`` that finds
+nothing). The tricks: the peer's heads are cached and loaded again only when the cache says full; a peeked slot is
+kept for ``take``; a slot is packed and unpacked by one precompiled ``struct.Struct`` call; the atomics are
+``METH_FASTCALL`` C functions bound to module globals; this end's counters are Python ints, never read back from
+the region.
 """
 
 from __future__ import annotations

@@ -210,8 +210,9 @@ class Received:
             typestr, dt = _HOST_DTYPES.get(d.dtype) or _host_dtype(d.dtype)
             # (_host_view, inline: a consumer woken for the array pays about a microsecond a call)
             buf = chunk.buf
-            arr = (_asarray or _load_asarray())(HostView(buf.ptr + d.block_offset + d.byte_offset, d.shape, d.strides, typestr,
-                                    (self, ChunkRef(chunk), buf._mapping.map)))
+            view = HostView(buf.ptr + d.block_offset + d.byte_offset, d.shape, d.strides, typestr,
+                            (self, ChunkRef(chunk), buf._mapping.map))
+            arr = (_asarray or _load_asarray())(view)
             # (ml_dtypes: the typestr would say only 'V2'; the storage int's view gets the dtype)
             return arr if dt is None else arr.view(dt)
         # (_device_view, inline: a consumer woken for the array pays about a microsecond a call)
