@@ -38,8 +38,8 @@ from ..errors import (DmaBufError, ForkedResourceError, InvalidArgumentError, Lo
 from ..fdpass import _broken_recv, close_fds
 from ._link import Link
 from ._releases import ReleaseQueue
-from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, LayoutForgotten,
-                     LeasesReleased, PeerClosed, PeerRefused, RingOffered)
+from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionState, EmptyBatch, Event,
+                     LayoutForgotten, LeasesReleased, PeerClosed, PeerRefused, RingOffered)
 from ._spin import AdaptiveSpin
 from ._torch_views import LayoutViews
 from .protocol import parse_message
@@ -643,7 +643,8 @@ class Reading:
                 close_fds(fds)
 
     def _fail_here(self, kind: Any, exc: Exception) -> None:
-        self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: {type(exc).__name__}: {exc}"))
+        self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: "
+                                    f"{type(exc).__name__}: {exc}"))
         self._end()
 
     def _take_slot(self) -> None:
@@ -656,41 +657,35 @@ class Reading:
         are its arrival alone)."""
         try:
             _, lease, layout, ordering, event = self._conn.rings.take_fields()
-            with self._state_lock:  # (the Condition's own lock: notify_all below works under it)
-                for ev in self._proto.receive_slot(lease, layout, ordering,
-                                                   None if event is None else base64.b64encode(event).decode()):
-                    if type(ev) is ArraysArrived:
-                        self._queue_arrival(ev)
-                    else:  # EmptyBatch (a layout of no arrays): nothing to hold
-                        self._releases.pending.append(ev.lease)
+            with self._state_lock:  # (the Condition's own lock: notify_all in _queue_arrivals works under it)
+                self._queue_arrivals(self._proto.receive_slot(
+                    lease, layout, ordering, None if event is None else base64.b64encode(event).decode()))
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
         except Exception as exc:  # noqa: BLE001 - as in _take
             self._fail_here("repeat", exc)
 
-    def _queue_arrival(self, ev: ArraysArrived) -> None:
-        """(Under the state lock.) Queue arrays that arrived, their chunks retained: mapped until received,
-        whatever comes after (a ``retire``, the end of the connection; :meth:`make_received` takes them over)."""
-        imports = self._imports
-        if len(ev.chunks) == 1:  # (one chunk, a send()'s: no loop)
-            cid = ev.chunks[0]
-            chunk = imports[cid]
-            chunk.retain()
-            chunks = {cid: chunk}
-        else:
-            chunks = {}
-            for cid in ev.chunks:
-                chunk = chunks[cid] = imports[cid]
-                chunk.retain()
-        views = None
-        if ev.layout is not None:
-            views = self._layout_views.get(ev.layout)
-            if views is None:
-                views = self._layout_views[ev.layout] = LayoutViews()
-        self._queue.append(_Queued(ev, chunks, views))
-        if self._waiters:
-            self._state.notify_all()
+    def _queue_arrivals(self, events: list[Event]) -> None:
+        """(Under the state lock.) Queue the arrays that arrived among ``events``, their chunks retained: mapped
+        until received, whatever comes after (a ``retire``, the end of the connection; :meth:`make_received` takes
+        them over). An empty batch holds nothing: its release is due at once."""
+        for ev in events:
+            if type(ev) is ArraysArrived:
+                chunks = {}
+                for cid in ev.chunks:
+                    chunk = chunks[cid] = self._imports[cid]
+                    chunk.retain()
+                views = None
+                if ev.layout is not None:
+                    views = self._layout_views.get(ev.layout)
+                    if views is None:
+                        views = self._layout_views[ev.layout] = LayoutViews()
+                self._queue.append(_Queued(ev, chunks, views))
+                if self._waiters:
+                    self._state.notify_all()
+            elif type(ev) is EmptyBatch:
+                self._releases.pending.append(ev.lease)
 
     def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Hand one socket message to the protocol state and act on its events: arrays are queued
@@ -701,11 +696,7 @@ class Reading:
             _, descs = parse_message(msg)  # outside the state lock: a batch has thousands of descriptors
         with self._state_lock:  # (the Condition's own lock: notify_all below works under it)
             events = self._proto.receive(msg, len(fds), descs)
-            for ev in events:
-                if type(ev) is ArraysArrived:
-                    self._queue_arrival(ev)
-                elif type(ev) is EmptyBatch:
-                    self._releases.pending.append(ev.lease)  # nothing to hold
+            self._queue_arrivals(events)
         for ev in events:
             t = type(ev)
             if t is ChunkAnnounced:
