@@ -135,7 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated buffer sizes: bytes, 0x hex or K/M/G binary units, multiples of 4 "
                         "(default 4K,1M,64M,1G)")
     p.add_argument("--reps", type=_count(1), default=20, help="timed repetitions per size (default 20)")
-    p.add_argument("--warmup", type=_count(0), default=3, help="untimed repetitions first (default 3)")
+    # 10, not 3: a hand-off in a fresh Python process slows the first 4 to 6 repetitions after 3 warm-ups (the
+    # interpreter specialising the path, caches), which a 50-repetition p99 then measures instead of the steady state.
+    p.add_argument("--warmup", type=_count(0), default=10, help="untimed repetitions first (default 10)")
     p.add_argument("--mechanisms", type=_mechanisms, default=list(MECHANISMS),
                    help=f"comma-separated, default all: {','.join(MECHANISMS)}")
     p.add_argument("--consumer-spin", type=_spin_seconds, default=0.0, metavar="SECONDS|auto",
