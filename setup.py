@@ -42,9 +42,12 @@ except ImportError:
     cythonize = None
 include = _cuda_include()
 if cythonize is not None and include is not None:
-    extensions += cythonize(
+    hot = cythonize(
         [Extension("dmabuf_interop._driver_hot", sources=["src/dmabuf_interop/_driver_hot.pyx"], include_dirs=[include],
-                   extra_compile_args=["-O2"], language="c++", optional=True)],
+                   extra_compile_args=["-O2"], language="c++")],
         compiler_directives={"language_level": 3}, quiet=True)
+    for ext in hot:
+        ext.optional = True  # set after cythonize, whose Extensions drop it: no C++ compiler must not fail the install
+    extensions += hot
 
 setup(ext_modules=extensions)
