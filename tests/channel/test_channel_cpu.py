@@ -982,6 +982,36 @@ def test_torch_lazy_conjugates_are_refused_and_parameters_copied(addr: str, pool
         x.close()
 
 
+def test_torch_tensors_without_one_strided_storage_are_refused_with_typed_errors(addr: str, pool: SharedPool) -> None:
+    """Sparse, nested and meta tensors have no block to lend: InvalidArgumentError names what to send instead, in
+    send_many with the item, also after a dense tensor taught the sender's signature look-up torch's type."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    listener, prod, cons = pair(addr, pool)
+    dense = torch.from_numpy(pool.empty(4, "float32"))
+    dense[:] = 1
+    lease = prod.send(dense)  # torch.Tensor's signature is read inline from now on
+    cons.recv(5).release()
+    lease.wait(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: sparse CSR and nested tensors are in beta / prototype)
+        refused = {"sparse_coo": torch.eye(2).to_sparse(), "sparse_csr": torch.eye(2).to_sparse_csr(),
+                   "'meta'": torch.empty(3, device="meta"),
+                   "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}
+    for what, t in refused.items():
+        with pytest.raises(InvalidArgumentError, match=what):
+            prod.send(t)
+        with pytest.raises(InvalidArgumentError, match=f"item 's': .*{what}"):
+            prod.send_many({"ok": dense, "s": t})
+    lease = prod.send(dense)  # the channel is as it was
+    with cons.recv(5) as got:
+        assert got.as_array().tolist() == [1, 1, 1, 1]
+    lease.wait(5)
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_host_bfloat16_arrives_as_torch_bfloat16(addr: str, pool: SharedPool) -> None:
     """NumPy has no bfloat16: the host view is read as int16 and re-viewed, a transposed one too."""
     torch = pytest.importorskip("torch")

@@ -369,7 +369,8 @@ class Channel(Lending, Reading):
 
         Raises:
             InvalidArgumentError: an unsupported dtype, meta too large or not JSON, a negative
-                timeout, a torch tensor with its conjugate or negative bit set;
+                timeout, a torch tensor with its conjugate or negative bit set, or not one strided tensor on
+                the CPU or a GPU (sparse, nested, ``meta``);
                 a limit the peer would refuse: more than :data:`~.protocol.MAX_NDIM` dimensions, a block of
                 a new chunk past the :data:`~.protocol.MAX_CHUNKS` the peer maps (nothing sent: the channel stays up).
             ClosedError: this end closed the channel.

@@ -89,6 +89,13 @@ def inspect_array(array: Any) -> Source:
 
     mod = type(array).__module__
     if mod.startswith("torch"):
+        if array.is_nested or str(array.layout) != "torch.strided":  # (no storage to lend as one block)
+            kind = "a nested" if array.is_nested else f"a {str(array.layout).replace('torch.', '')}"
+            raise InvalidArgumentError(f"{kind} torch tensor cannot travel: only strided (dense) tensors can: send "
+                                       f"{'its components (tensor.unbind())' if array.is_nested else 'tensor.to_dense()'}")
+        if array.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"a torch tensor on device {array.device.type!r} cannot travel: only CPU and "
+                                       f"CUDA tensors can")
         if array.is_conj() or array.is_neg():  # lazy views: the memory holds the values before the conjugation
             raise InvalidArgumentError("a torch tensor with its conjugate or negative bit set cannot travel as "
                                        "it lies in memory: send tensor.resolve_conj().resolve_neg()")
@@ -236,7 +243,10 @@ def _signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
     for a in arrays:
         kind = kinds.get(type(a))
         if kind == 1:  # (a lazy conjugate or negative view of the same memory is another array)
-            append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
+            try:
+                append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()))
+            except RuntimeError:  # a sparse or nested tensor: inspect_array refuses it with a typed error
+                return None
         elif kind == 2:
             try:  # (_numpy_address, inline: a send of an array lent again makes this call, and a call costs it ~1 us)
                 ptr = _address(a)
@@ -455,7 +465,10 @@ class MemoTable:
                 ptr = array.ctypes.data
             sig = (ptr, array.shape, array.strides, array.dtype)
         elif kind == 1:
-            sig = (array.data_ptr(), array.shape, array.stride(), array.dtype, array.is_conj(), array.is_neg())
+            try:
+                sig = (array.data_ptr(), array.shape, array.stride(), array.dtype, array.is_conj(), array.is_neg())
+            except RuntimeError:  # a sparse or nested tensor: inspect_array refuses it with a typed error
+                return None
         elif kind == 3:
             sig = (3, array.ptr, array.shape, array.strides, array.dtype)
         else:
