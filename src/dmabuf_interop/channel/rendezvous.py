@@ -315,7 +315,8 @@ class Listener(ListenerBase):
     def accept(self, timeout: float | None = 60.0, *, raise_refused: bool = False) -> Channel:
         """The next consumer whose handshake completed, as a :class:`Channel`.
 
-        Each accepted connection is checked with ``SO_PEERCRED`` (uid in ``allow_uids``, default this
+        Connections are taken (``accept(2)``), and their handshakes started, only during calls of this method: the
+        listener runs no thread of its own, so keep a thread calling it. Each accepted connection is checked with ``SO_PEERCRED`` (uid in ``allow_uids``, default this
         process's effective uid, or gid in ``allow_gids``), then both sides exchange ``hello``, in a
         thread of its own within the listener's ``handshake_timeout``: a client that connects and says
         nothing holds up nobody. A peer that fails (credentials, protocol version, host, a malformed or
