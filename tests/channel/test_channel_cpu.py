@@ -1508,6 +1508,11 @@ def test_misuse_is_refused_with_typed_errors(addr: str, pool: SharedPool) -> Non
         prod.send_many({"k" * 100_000: np.arange(3)})  # the name is cut short in the message
     with pytest.raises(InvalidArgumentError, match="timeout"):
         connect(addr, timeout=-1)
+    for bad in (5, None, b"/tmp/a", ""):  # (an int or None reached os.fspath's TypeError)
+        with pytest.raises(InvalidArgumentError, match="address must be a path"):
+            listen(bad)
+        with pytest.raises(InvalidArgumentError, match="address must be a path"):
+            connect(bad, timeout=1)
     lease = prod.send(np.arange(3))
     r = cons.recv(5)
     with pytest.raises(InvalidArgumentError, match="as_tensor"):

@@ -52,7 +52,10 @@ RING_RELEASE_SLOTS = 1024
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
     """(address for bind/connect, is_abstract)."""
-    address = os.fspath(address)
+    try:
+        address = os.fspath(address)
+    except TypeError:  # (not a str, bytes or os.PathLike: the check below names it)
+        pass
     if not isinstance(address, str) or not address or address == "@":
         raise InvalidArgumentError(f"address must be a path or '@name', got {address!r}")
     if address.startswith("@"):
