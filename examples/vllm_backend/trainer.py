@@ -61,7 +61,12 @@ def main() -> int:
     source = Source(params)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ctl:
         ctl.settimeout(60)
-        ctl.connect(args.control)
+        try:
+            ctl.connect(args.control)
+        except OSError as exc:
+            print(f"trainer: no engine at {args.control} ({exc.strerror or exc}): start engine.py first",
+                  file=sys.stderr)
+            return 1
         client = SocketClient(ctl, timeout=600)
         engine = TrainerEngine.trainer_init(options, client=client, source=source)  # the engine connects
         if args.in_pool:  # the parameters become pool blocks: sent in place from now on

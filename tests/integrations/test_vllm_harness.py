@@ -59,6 +59,14 @@ def test_the_example_pair_on_host_pools(tmp_path, extra):
     assert len(tr["send_ms"]) == 3 and tr["tensors"] == 4
 
 
+def test_the_trainer_without_an_engine_says_so_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(EXAMPLE / "trainer.py"), "--control", str(tmp_path / "none.sock"),
+                          "--host"], cwd=EXAMPLE, env=env_with_src(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [f"trainer: no engine at {tmp_path / 'none.sock'} (No such file or "
+                                               f"directory): start engine.py first"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [(), ("--in-pool",), ("--max-bytes", str(4 << 30))], ids=["staged", "in-pool", "buckets"])
 def test_ws_8b_in_vllm_order_on_one_gpu(tmp_path, extra):
