@@ -224,3 +224,20 @@ def test_a_run_without_the_ring_it_asked_for_says_so(tmp_path):
     assert "channel-host throughput: WARNING: no shared-memory ring" in err[0]
     assert f"{'channel-host':<20}{'':>8}  NO shared-memory ring" in stdout
     assert all(r.endswith("socket") for r in _rows(stdout, "channel-host", "blocking"))
+
+
+@pytest.mark.ring
+def test_the_floor_script_runs_a_short_loop_between_two_processes():
+    """``scripts/handoff_floor.py``, the reference the host hand-off is read against (docs/benchmarks.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import env_with_src
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "handoff_floor.py"
+    out = subprocess.run([sys.executable, str(script), "--count", "200", "--skip", "20"], env=env_with_src(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("floor: median ") and line.endswith(" 180 hand-offs"), line
