@@ -62,6 +62,9 @@ def test_sglang_calls_a_custom_loader_this_way():
     assert "custom_loader(self.get_model(), named_tensors)" in src
     common = (root / "srt/utils/common.py").read_text()
     assert 'module_path = ".".join(parts[:-1])' in common
+    # The scheduler runs the update only inside a weight-update session (the docs' trainer opens one).
+    scheduler = (root / "srt/managers/scheduler_components/weight_updater.py").read_text()
+    assert '"begin_weight_update() and end_weight_update()"' in scheduler
 
 
 def test_versions_through_update_weights_from_tensor(tmp_path):
@@ -104,3 +107,21 @@ def test_a_failed_load_is_reported_to_the_caller(tmp_path):
                                 update=lambda named: _server_update(Broken(), named, loader.LOADER))
     assert not loader._receivers  # the failed connection is not kept
     assert threading.active_count() < 50
+
+
+def test_an_answer_before_the_loaders_connect_is_raised_at_once(tmp_path):
+    """SGLang outside a weight-update session answers (False, message) without calling the loader: send_version
+    raises it then, not a WaitTimeoutError after its whole timeout."""
+    import time
+
+    from dmabuf_interop.errors import InvalidArgumentError
+
+    refusal = (False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+    with WeightPublisher(str(tmp_path / "w.sock"), max_bytes=1 << 20, timeout=20) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match="begin_weight_update"):
+            loader.send_version(pub, Model().state_dict(), 1, engines=1, update=lambda named: refusal)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(ZeroDivisionError):  # and what update raised, as soon
+            loader.send_version(pub, Model().state_dict(), 1, engines=1, update=lambda named: 1 / 0)
+        assert time.monotonic() - t0 < 10 and pub.engines == 0

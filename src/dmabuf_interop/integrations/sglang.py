@@ -8,8 +8,12 @@ route with the same fields)::
     from dmabuf_interop.integrations.sglang import LOADER, send_version
 
     pub = WeightPublisher("/run/user/1000/w.sock", device=0, max_bytes=8 << 30)
-    send_version(pub, model.state_dict(), version=1, engines=tp_size,
-                 update=lambda named: engine.update_weights_from_tensor(named, load_format=LOADER))
+    engine.begin_weight_update()  # SGLang loads weights only inside a weight-update session
+    try:
+        send_version(pub, model.state_dict(), version=1, engines=tp_size,
+                     update=lambda named: engine.update_weights_from_tensor(named, load_format=LOADER))
+    finally:
+        engine.end_weight_update()
 
 SGLang resolves ``load_format`` with ``dynamic_import`` once it is listed in
 ``--custom-weight-loader`` and calls ``loader(model, named_tensors)`` on every TP rank. The request's
@@ -26,6 +30,7 @@ import math
 import threading
 from typing import Any, Callable, Mapping
 
+from .._time import deadline_after, remaining
 from ..errors import IncompleteVersionError, InvalidArgumentError, ProtocolError, WaitTimeoutError
 from ..weight_sync import WeightPublisher, WeightReceiver
 
@@ -35,6 +40,9 @@ __all__ = ["LOADER", "PREFIX", "load_weights", "placeholder", "send_version"]
 LOADER = "dmabuf_interop.integrations.sglang.load_weights"
 #: The placeholder's name starts with this; JSON follows.
 PREFIX = "dmabuf-interop:"
+
+#: Seconds between looks at ``update``'s answer while :func:`send_version` waits for the loaders to connect.
+_ANSWER_POLL = 0.05
 
 _receivers: dict[tuple[str, int | None], WeightReceiver] = {}
 _lock = threading.Lock()
@@ -111,10 +119,12 @@ def send_version(publisher: WeightPublisher, state: Mapping[str, Any], version: 
         WaitTimeoutError: the engines did not connect, or ``update`` did not return, in time.
         IncompleteVersionError: the version stopped part-way (the loaders were told).
         InvalidArgumentError: :meth:`~dmabuf_interop.weight_sync.WeightPublisher.publish` refused the state
-            dict (the loaders were told), or SGLang answered ``(False, message)``.
+            dict (the loaders were told), or SGLang answered ``(False, message)`` (at once when it answers
+            before the loaders connect: a call outside ``begin_weight_update`` / ``end_weight_update``).
     """
     t = publisher.timeout if timeout is None else timeout
     named = placeholder(publisher.address, version, timeout=t if t is not None else 300.0)
+    deadline = deadline_after(t)
     out: dict[str, Any] = {}
 
     def call() -> None:
@@ -127,12 +137,15 @@ def send_version(publisher: WeightPublisher, state: Mapping[str, Any], version: 
     worker.start()
     try:
         while publisher.engines < engines:
-            if "error" in out:
-                raise out["error"]
-            try:
-                publisher.accept(timeout=t)
+            if not worker.is_alive():  # SGLang answered before every loader connected: a refusal, most likely
+                _raise_answer(out)
+            left = remaining(deadline)
+            if left is not None and left <= 0:
+                raise WaitTimeoutError(f"{publisher.engines} of {engines} engines connected within {t} s")
+            try:  # (in slices: an answer that comes first is seen within _ANSWER_POLL seconds)
+                publisher.accept(timeout=_ANSWER_POLL if left is None else min(_ANSWER_POLL, left))
             except WaitTimeoutError:
-                raise WaitTimeoutError(f"{publisher.engines} of {engines} engines connected within {t} s") from None
+                pass
         try:
             publisher.publish(state, version, timeout=t)
         except BaseException as exc:
@@ -143,9 +156,14 @@ def send_version(publisher: WeightPublisher, state: Mapping[str, Any], version: 
         worker.join(t)
     if worker.is_alive():
         raise WaitTimeoutError(f"update_weights_from_tensor did not return within {t} s")
+    _raise_answer(out)
+    return out.get("value")
+
+
+def _raise_answer(out: dict[str, Any]) -> None:
+    """Raise what ``update`` raised, or InvalidArgumentError for SGLang's ``(False, message)``."""
     if "error" in out:
         raise out["error"]
     value = out.get("value")
     if isinstance(value, tuple) and len(value) >= 2 and value[0] is False:  # SGLang's (success, message)
         raise InvalidArgumentError(f"SGLang refused the update: {value[1]}")
-    return value
