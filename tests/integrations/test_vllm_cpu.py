@@ -217,3 +217,18 @@ def test_the_backend_works_without_vllm_in_a_fresh_interpreter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_fresh_trainer_process_registers_the_backend_as_the_docs_show():
+    """A trainer's process loads no vLLM plugins: without ``register()`` vLLM does not know "dmabuf"; with it (as
+    docs/weight-sync.md's trainer does) ``trainer_init`` finds the backend."""
+    import subprocess
+
+    code = ("from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F\n"
+            "from dmabuf_interop.integrations.vllm import DmabufTrainerInitInfo, register\n"
+            "before = 'dmabuf' in F._registry\n"
+            "register()\n"
+            "print(before, F._registry['dmabuf']().__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])})
+    assert out.stdout.split() == ["False", "DmabufTrainerWeightTransferEngine"], out.stderr[-2000:]

@@ -1,11 +1,13 @@
 """vLLM weight-transfer backend ``"dmabuf"``: trainer -> vLLM workers over a channel, no pickle.
 
 Server: ``vllm serve MODEL --weight-transfer-config '{"backend": "dmabuf"}'`` (the backend is
-registered through the ``vllm.general_plugins`` entry point :func:`register`). Trainer::
+registered through the ``vllm.general_plugins`` entry point :func:`register`). Trainer (a process that
+loads no vLLM plugins: it registers the backend itself)::
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory, ModuleSource
-    from dmabuf_interop.integrations.vllm import DmabufTrainerInitInfo
+    from dmabuf_interop.integrations.vllm import DmabufTrainerInitInfo, register
 
+    register()                     # "dmabuf" in vLLM's factories (idempotent)
     engine = WeightTransferTrainerFactory.trainer_init(
         DmabufTrainerInitInfo(address="/run/user/1000/w.sock", device=0, rank=0),
         client=client, source=ModuleSource(model))
