@@ -210,6 +210,14 @@ def test_a_trainer_that_fails_part_way_tells_the_engines(tmp_path):
     assert "the trainer aborted" in err.reason and _equal(eng.got[4], good)
 
 
+def _nested() -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: nested tensors are a prototype)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
 def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
     addr = str(tmp_path / "w.sock")
     with WeightPublisher(addr, max_bytes=1 << 20, chunk_bytes=1 << 18) as pub:
@@ -222,7 +230,10 @@ def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
                            ({}, "empty"), ({"a": torch.zeros(2), "b": torch.zeros(2), "a ": 1}, "torch.Tensor"),
                            ({n: torch.zeros(600 << 10, dtype=torch.uint8) for n in "xy"}, "twice its size"),
                            ({"a": torch.zeros(2), "huge": torch.zeros(2 << 20, dtype=torch.uint8)},
-                            "huge .* needs a pool of at least twice its size")):
+                            "huge .* needs a pool of at least twice its size"),
+                           ({"a": torch.eye(2).to_sparse()}, "a: a sparse_coo tensor"),
+                           ({"a": torch.empty(2, device="meta")}, "a: a meta tensor"),
+                           ({"a": _nested()}, "a: a nested tensor")):
             with pytest.raises(InvalidArgumentError, match=match):
                 pub.publish(bad, 1)
         with pytest.raises(InvalidArgumentError, match="version"):

@@ -225,6 +225,10 @@ class WeightPublisher:
                                            f"full_tensor()), got {type(t).__name__}")
             if t.is_meta:
                 raise InvalidArgumentError(f"{name}: a meta tensor has no data to send")
+            if t.is_nested or t.layout is not torch.strided:  # (no one strided storage to copy or lend)
+                kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+                raise InvalidArgumentError(f"{name}: a {kind} tensor cannot be sent: only strided (dense) tensors "
+                                           f"can (tensor.to_dense())")
             dtype = _dtype_name(t.dtype)
             if dtype not in DTYPES:
                 raise InvalidArgumentError(f"{name}: dtype {dtype} cannot be sent (choose from {', '.join(DTYPES)})")
@@ -381,7 +385,7 @@ class WeightPublisher:
         (default: torch's current stream of the pool's GPU); the engines' streams wait for them.
 
         Raises:
-            InvalidArgumentError: not tensors (or meta tensors), unsupported dtypes, duplicate names, no engine
+            InvalidArgumentError: not tensors (or meta, sparse or nested tensors), unsupported dtypes, duplicate names, no engine
                 connected, a staged tensor larger than half the pool (nothing was sent).
             IncompleteVersionError: sending stopped after a first batch went out (engines were told).
             WaitTimeoutError: an engine did not give a version back in time (before anything of this version
