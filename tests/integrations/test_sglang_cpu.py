@@ -86,6 +86,8 @@ def test_versions_through_update_weights_from_tensor(tmp_path):
 def test_the_placeholder_carries_no_tensor_and_is_checked(tmp_path):
     (name, t), = loader.placeholder(str(tmp_path / "w.sock"), 4)
     assert name.startswith(loader.PREFIX) and t.numel() == 1 and t.device.type == "cpu"
+    with pytest.raises(ProtocolError, match="address"):  # 65 characters, 125 bytes: past sun_path's 107
+        loader.placeholder("/tmp/" + "\u00e9" * 60, 1)
     model = Model()
     for bad in ([], [(name, t), (name, t)], [("model.a.weight", t)], [(loader.PREFIX + "{", t)],
                 [(loader.PREFIX + '{"address": "x", "version": -1, "timeout": 1}', t)],

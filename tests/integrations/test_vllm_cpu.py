@@ -192,6 +192,7 @@ def test_tensor_parallel_workers_receive_the_same_version_in_buckets(tmp_path):
 def test_refused_init_and_update_info():
     (worker,) = _workers(1)
     for bad in ({"address": "/tmp/x.sock", "bogus": 1}, {"address": 7}, {"address": ""}, {},
+                {"address": "/tmp/" + "\u00e9" * 60},  # 65 characters, 125 bytes: past sun_path's 107
                 {"address": "/tmp/x.sock", "timeout": "60"}, {"address": "/tmp/x.sock", "timeout": float("nan")}):
         with pytest.raises(ValueError):
             worker.parse_init_info(bad)
