@@ -356,3 +356,15 @@ def test_rebuild_refuses_forged_and_stale_tuples_before_any_cuda(brk):
     gone = B.ShareHandle("/nonexistent/dmabuf-interop.sock", 99999, 1, "a" * 32, h.boot_id, "")
     with pytest.raises(StaleHandleError, match="broker is gone"):
         rebuild_cuda_tensor(*_args(gone.to_bytes()))
+
+
+def test_the_device_argument_of_a_rebuild_is_checked_with_typed_errors():
+    """``args[6]``, which callers may rewrite: an int, a ``torch.device`` or a ``"cuda:N"`` string; anything else is
+    refused with InvalidArgumentError (not torch's TypeError or RuntimeError)."""
+    torch = pytest.importorskip("torch")
+    from dmabuf_interop.integrations.torch_sharing import _device_index
+
+    assert _device_index(3) == 3 and _device_index("cuda:2") == 2 and _device_index(torch.device("cuda", 1)) == 1
+    for bad in ("cpu", True, None, 1.5, "cuda:x", torch.device("cpu"), b"cuda:0"):
+        with pytest.raises(InvalidArgumentError, match="args\\[6\\] must name a CUDA device"):
+            _device_index(bad)
