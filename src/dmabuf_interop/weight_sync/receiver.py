@@ -368,6 +368,11 @@ class WeightReceiver:
         """Receive a version and copy it into ``module``'s parameters and buffers of the same names and
         shapes, in place. Returns the version.
 
+        ``strict`` refuses a name the version has and the module lacks. Unlike ``torch``'s ``load_state_dict``, it
+        does not refuse the converse: a name the module has and the version lacks keeps its value (a version may
+        carry a subset, and a module's non-persistent buffers are in no state dict). Compare the version's names
+        with the module's where a missing one must fail.
+
         Raises:
             IncompleteVersionError: a name the module lacks (``strict``), a shape that differs, or a version
                 that stopped part-way; ``applied`` says how many batches were copied before.
