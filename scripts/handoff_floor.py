@@ -80,7 +80,8 @@ def main() -> int:
         with state:
             lent[lease.id] = lease
         with link:
-            publish(ring, SLOTS_OFFSET + (tail & mask) * SLOT_BYTES, SLOT.pack(tail + 1, 0, lease.id, layout, 0, 0, b""))
+            slot = SLOT.pack(tail + 1, 0, lease.id, layout, 0, 0, b"")
+            publish(ring, SLOTS_OFFSET + (tail & mask) * SLOT_BYTES, slot)
             tail += 1
             store_load(ring, tail_at, tail, peer, asleep_at)
         started.append(t0)

@@ -319,10 +319,10 @@ class Listener(ListenerBase):
         """The next consumer whose handshake completed, as a :class:`Channel`.
 
         Connections are taken (``accept(2)``), and their handshakes started, only during calls of this method: the
-        listener runs no thread of its own, so keep a thread calling it. Each accepted connection is checked with ``SO_PEERCRED`` (uid in ``allow_uids``, default this
-        process's effective uid, or gid in ``allow_gids``), then both sides exchange ``hello``, in a
-        thread of its own within the listener's ``handshake_timeout``: a client that connects and says
-        nothing holds up nobody. A peer that fails (credentials, protocol version, host, a malformed or
+        listener runs no thread of its own, so keep a thread calling it. Each accepted connection is checked
+        with ``SO_PEERCRED`` (uid in ``allow_uids``, default this process's effective uid, or gid in
+        ``allow_gids``), then both sides exchange ``hello``, in a thread of its own within the listener's
+        ``handshake_timeout``: a client that connects and says nothing holds up nobody. A peer that fails (credentials, protocol version, host, a malformed or
         late hello) is told why, dropped, counted in :attr:`refused` and logged (``WARNING`` on the
         ``dmabuf_interop.channel`` logger); it is raised here only with ``raise_refused=True``. A peer
         that left before or during its handshake is dropped quietly.

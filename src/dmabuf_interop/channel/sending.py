@@ -92,8 +92,9 @@ def inspect_array(array: Any) -> Source:
     if mod.startswith("torch"):
         if array.is_nested or array.layout is not sys.modules["torch"].strided:  # (no one block to lend)
             kind = "a nested" if array.is_nested else f"a {str(array.layout).replace('torch.', '')}"
+            instead = "its components (tensor.unbind())" if array.is_nested else "tensor.to_dense()"
             raise InvalidArgumentError(f"{kind} torch tensor cannot travel: only strided (dense) tensors can: send "
-                                       f"{'its components (tensor.unbind())' if array.is_nested else 'tensor.to_dense()'}")
+                                       f"{instead}")
         if not (array.is_cuda or array.is_cpu):  # (is_cuda/is_cpu: a tenth of a µs; tensor.device makes an object)
             raise InvalidArgumentError(f"a torch tensor on device {array.device.type!r} cannot travel: only CPU and "
                                        f"CUDA tensors can")

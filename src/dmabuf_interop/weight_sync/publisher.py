@@ -385,8 +385,8 @@ class WeightPublisher:
         (default: torch's current stream of the pool's GPU); the engines' streams wait for them.
 
         Raises:
-            InvalidArgumentError: not tensors (or meta, sparse or nested tensors), unsupported dtypes, duplicate names, no engine
-                connected, a staged tensor larger than half the pool (nothing was sent).
+            InvalidArgumentError: not tensors (or meta, sparse or nested tensors), unsupported dtypes, duplicate
+                names, no engine connected, a staged tensor larger than half the pool (nothing was sent).
             IncompleteVersionError: sending stopped after a first batch went out (engines were told).
             WaitTimeoutError: an engine did not give a version back in time (before anything of this version
                 was sent).
