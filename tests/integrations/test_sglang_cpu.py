@@ -62,7 +62,8 @@ def test_sglang_calls_a_custom_loader_this_way():
     assert "custom_loader(self.get_model(), named_tensors)" in src
     common = (root / "srt/utils/common.py").read_text()
     assert 'module_path = ".".join(parts[:-1])' in common
-    # The scheduler runs the update only inside a weight-update session (the docs' trainer opens one).
+    # The scheduler runs the update only between begin_weight_update and end_weight_update (the docs' trainer
+    # calls both).
     scheduler = (root / "srt/managers/scheduler_components/weight_updater.py").read_text()
     assert '"begin_weight_update() and end_weight_update()"' in scheduler
 
@@ -112,8 +113,8 @@ def test_a_failed_load_is_reported_to_the_caller(tmp_path):
 
 
 def test_an_answer_before_the_loaders_connect_is_raised_at_once(tmp_path):
-    """SGLang outside a weight-update session answers (False, message) without calling the loader: send_version
-    raises it then, not a WaitTimeoutError after its whole timeout."""
+    """SGLang outside begin_weight_update / end_weight_update answers (False, message) without calling the loader:
+    send_version raises it then, not a WaitTimeoutError after its whole timeout."""
     import time
 
     from dmabuf_interop.errors import InvalidArgumentError

@@ -8,7 +8,7 @@ route with the same fields)::
     from dmabuf_interop.integrations.sglang import LOADER, send_version
 
     pub = WeightPublisher("/run/user/1000/w.sock", device=0, max_bytes=8 << 30)
-    engine.begin_weight_update()  # SGLang loads weights only inside a weight-update session
+    engine.begin_weight_update()  # SGLang loads weights only between begin and end
     try:
         send_version(pub, model.state_dict(), version=1, engines=tp_size,
                      update=lambda named: engine.update_weights_from_tensor(named, load_format=LOADER))
