@@ -388,6 +388,37 @@ def test_a_forged_release_in_the_ring_ends_a_producer_at_its_next_send(tmp_path:
     t.join(10)
 
 
+def test_a_forged_in_head_ends_the_connection_at_the_send_that_reads_it(tmp_path: Path, monkeypatch) -> None:
+    """The peer's in_head past this end's tail (the ring seen full, the peer's head loaded): a protocol error that
+    ends the connection, as a forged release does, not an error of one send with the channel left open."""
+    from dmabuf_interop.channel._ring import IN_HEAD
+
+    monkeypatch.setattr(rendezvous, "RING_SLOTS", 4)  # the producer's ring: full, and the head loaded, soon
+    addr = str(tmp_path / "h.sock")
+    forged = threading.Event()
+
+    def script(conn: socket.socket, rings: Rings) -> None:
+        _send_offer(conn, rings)
+        fdpass.recv_message(conn, 10, max_fds=2)  # the producer's chunk
+        recv_frame(conn, 10)  # its array, defining the layout
+        _atomic.store_seq(rings._mine, IN_HEAD, 10**6)  # "consumed" a million slots of 4
+        forged.set()
+
+    t = hand_written_listener(addr, script)
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool, connect(addr, timeout=10, pool=pool) as ch:
+        block = pool.empty(4, "int64")
+        ch.send(block)
+        assert forged.wait(10)
+        with pytest.raises(PeerClosedError) as info:
+            for _ in range(10):  # repeats through the ring until it looks full
+                ch.send(block, timeout=1)
+        assert isinstance(info.value.__cause__, ProtocolError) and "in_head" in str(info.value.__cause__)
+        with pytest.raises(PeerClosedError):
+            ch.send(block, timeout=1)  # the connection has ended: no send after the refusal
+        assert "in_head" in str(ch.protocol_state.error)
+    t.join(10)
+
+
 # --- two processes ------------------------------------------------------------------------------------------
 
 

@@ -249,7 +249,12 @@ class Lending:
     def _push(self, lease_id: int, layout: int, order: str, event: bytes | None) -> bool:
         """(Under the send lock.) Publish a repeat in the ring, after the :attr:`._link.Link.sent` socket
         messages that went out before it (the peer handles it between those and the next); False: the ring
-        is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket."""
+        is full or not attached yet (the peer's ``ring`` message not read yet), so it goes by the socket.
+
+        Raises:
+            PeerClosedError: the connection has ended, or the peer broke the protocol in its ring header (its
+                ``in_head`` out of range: the connection is ending, the ProtocolError kept as the cause).
+        """
         link = self._link
         # (A message cut off by a send of this channel made can_send false under this lock: no need to ask
         # fdpass's table of broken sockets, a weak dictionary, whose lookup makes a weakref every call.)
@@ -257,7 +262,11 @@ class Lending:
             raise link.ended()
         if layout > _MAX_SLOT_LAYOUT or lease_id >= LEASE_LIMIT:
             return False  # (past what a slot holds: by the socket)
-        return self._rings.push_repeat(link.sent, lease_id, layout, order, event)
+        try:
+            return self._rings.push_repeat(link.sent, lease_id, layout, order, event)
+        except ProtocolError as exc:  # the peer's in_head out of range: it broke the protocol, the connection ends
+            self._waits._fail(exc)
+            raise link.ended() from exc
 
     def _take_ring_releases(self) -> None:
         """Complete the leases the peer released through its release ring. A forged one (an id not lent) ends
