@@ -346,6 +346,36 @@ def test_a_connector_whose_ring_message_is_bad_is_refused_by_the_listener(tmp_pa
         assert _fds() == start
 
 
+@pytest.mark.parametrize("what", ["a first byte", "a header announcing 2 MB"])
+def test_a_ring_message_cut_short_is_held_no_longer_than_the_handshake(tmp_path: Path, what: str) -> None:
+    """The ring message is the handshake's last: a peer that sends part of it and stops is refused within
+    ``handshake_timeout`` (not the REST_TIMEOUT of a message after the handshake), and so is a frame over the
+    handshake's size limit."""
+    import struct
+
+    addr = str(tmp_path / "c.sock")
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool, \
+            listen(addr, pool=pool, handshake_timeout=1.0) as lst:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+        def stalling_connector() -> None:
+            raw.connect(addr)
+            theirs, _ = recv_frame(raw, 10)
+            send_frame(raw, {**theirs, "pid": os.getpid()})  # ring 1 offered back
+            _, fds = fdpass.recv_message(raw, 10, max_fds=2)  # the listener's ring message
+            fdpass.close_fds(fds)
+            raw.sendall(b"\x00" if what == "a first byte" else struct.pack("<I", 2_000_000))
+
+        t = threading.Thread(target=stalling_connector, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises((ProtocolError, WaitTimeoutError)):
+            lst.accept(10, raise_refused=True)
+        assert time.monotonic() - t0 < 5
+        t.join(10)
+        raw.close()
+
+
 def test_a_ring_message_not_negotiated_is_refused(tmp_path: Path) -> None:
     """The forger offers no ring, the channel offers one: a ring message is then a protocol error."""
     addr = str(tmp_path / "n.sock")

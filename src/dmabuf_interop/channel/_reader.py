@@ -42,6 +42,7 @@ from ._state import (ArraysArrived, ChunkAnnounced, ChunkRetired, ConnectionStat
                      LayoutForgotten, LeasesReleased, PeerClosed, PeerRefused, RingOffered)
 from ._spin import AdaptiveSpin
 from ._torch_views import LayoutViews
+from .handshake import HANDSHAKE_MAX_FRAME
 from .protocol import parse_message
 from .sending import MemoTable
 from .wire import shut_down
@@ -452,10 +453,18 @@ class Reading:
             ProtocolError: the peer's first message was not a sound ``ring`` message (the connection is ended).
         """
         rings = self._conn.rings
-        with self._read_lock:
-            while not rings.attached and not self._proto.ended:
-                if not self._read_one(deadline):
-                    raise WaitTimeoutError("the peer's ring message did not come in time")
+        frames = self._frames
+        # A handshake message: its rest shares the handshake's deadline (not REST_TIMEOUT), and it is no bigger
+        # than the others (HANDSHAKE_MAX_FRAME): a peer that sends part of it and stops holds a handshake no longer.
+        rest, biggest = frames.rest_timeout, frames.max_bytes
+        frames.rest_timeout, frames.max_bytes = None, HANDSHAKE_MAX_FRAME
+        try:
+            with self._read_lock:
+                while not rings.attached and not self._proto.ended:
+                    if not self._read_one(deadline):
+                        raise WaitTimeoutError("the peer's ring message did not come in time")
+        finally:
+            frames.rest_timeout, frames.max_bytes = rest, biggest
         err = self._proto.error
         if not rings.attached and isinstance(err, ProtocolError):
             raise ProtocolError(f"the peer's ring message was refused: {err}") from err
