@@ -241,3 +241,30 @@ def test_the_floor_script_runs_a_short_loop_between_two_processes():
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("floor: median ") and line.endswith(" 180 hand-offs"), line
+
+
+def test_an_interrupted_channel_run_leaves_nothing_in_the_file_system(tmp_path):
+    """The bench channel listens on an abstract address: peers killed by the parent (Ctrl-C here) leave no socket
+    folder behind in the temporary directory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.helpers import env_with_src
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**env_with_src(), "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-m", "dmabuf_interop", "bench", "--mechanisms", "channel-host",
+                             "--sizes", "4K,1M", "--reps", "100000", "--warmup", "1"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "channel-host" not in (proc.stderr.readline() or "channel-host"):
+        pass  # (progress on stderr: the channel run has begun)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    assert proc.wait(60) == 130
+    proc.stderr.close()
+    assert not [p.name for p in Path(tmp).iterdir() if p.name.startswith("dmabuf-interop-bench-")]

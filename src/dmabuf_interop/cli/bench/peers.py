@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -337,7 +337,9 @@ class ChannelPeer(Peer):
     """A :class:`~dmabuf_interop.channel.SharedPool` exported once, blocks lent over a channel.
 
     Set-up: the producer creates the pool on its device (its first chunk exported at once), listens
-    (``channel.listen``) on a path in a fresh private folder and sends that path (``channel`` message).
+    (``channel.listen``) on a fresh abstract address, ``@dmabuf-interop-bench/<pid>/<random>``, and sends it
+    (``channel`` message): nothing in the file system, so a run that is interrupted (its peers killed) leaves
+    nothing behind.
     The first hand-off of the run includes ``accept`` / ``connect``, the handshake and the chunk's fd,
     so it measures a fresh channel. Per cell the producer fills a ring of
     :data:`~.catalog.CACHED_RING` ``pool.empty`` arrays; before t0 it waits for the lease on the slot
@@ -369,8 +371,7 @@ class ChannelPeer(Peer):
             self.pool = SharedPool(None if self.host else self.producer_device,
                                    chunk_bytes=min(64 << 20, room), max_bytes=room)
             self.pool.empty(1, "uint8")  # the first chunk is exported now, as a server would at start-up
-            self.folder = tempfile.TemporaryDirectory(prefix="dmabuf-interop-bench-")
-            address = os.path.join(self.folder.name, "channel.sock")
+            address = f"@dmabuf-interop-bench/{os.getpid()}/{secrets.token_hex(8)}"
             self.listener = listen(address, pool=self.pool, ring=self.ring)
             send_message(self.pc, make("channel", address=address))
         else:
@@ -449,8 +450,6 @@ class ChannelPeer(Peer):
         for name in ("ch", "listener", "pool"):
             if hasattr(self, name):
                 getattr(self, name).close()
-        if hasattr(self, "folder"):
-            self.folder.cleanup()
 
 
 class ChannelHostPeer(ChannelPeer):
