@@ -124,6 +124,16 @@ def test_plot_is_written(tmp_path):
     assert png.stat().st_size > 0
 
 
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_a_plot_path_matplotlib_cannot_write_is_a_usage_error_before_the_run(tmp_path):
+    """A name without an image format matplotlib writes is refused as the options are parsed, not after the run
+    (which it used to end with an internal error, and no JSON)."""
+    out = run_cli("bench", "--mechanisms", "memfd", "--sizes", "4K", "--reps", "1", "--warmup", "0",
+                  "--plot", str(tmp_path / "bench.txt"), "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 2 and "cannot plot to" in out.stderr and ".png" in out.stderr, out.stderr
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_missing_peers_are_reported_not_installed(tmp_path):
     missing = [n for n in ("torch-ipc", "cupy-ipc", "iceoryx2") if importlib.util.find_spec(MECHANISMS[n][1]) is None]
     if not missing:

@@ -126,6 +126,13 @@ def _plot_path(text: str) -> str:
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError("needs matplotlib, which is not installed "
                                          "(pip install 'dmabuf-interop[bench]')")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()  # (checked here: not after a long run)
+    ext = os.path.splitext(text)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise argparse.ArgumentTypeError(f"cannot plot to {text!r}: name a file ending in one of "
+                                         f"{', '.join('.' + k for k in sorted(kinds))}")
     return output_path(text)
 
 

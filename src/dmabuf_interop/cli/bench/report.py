@@ -235,7 +235,8 @@ def pyplot() -> tuple[Any, str | None]:
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:
-    """Write the log-log plot; returns why not when matplotlib is missing."""
+    """Write the log-log plot; returns why not when matplotlib is missing or the file cannot be written (the
+    caller records it, and writes the JSON still)."""
     plt, why = pyplot()
     if plt is None:
         return why
@@ -261,8 +262,12 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:  # a full disk, /dev/full, a format matplotlib lacks: the run is kept
+        return f"could not write {path}: {exc}"
+    finally:
+        plt.close(fig)
     return None
 
 
