@@ -36,7 +36,7 @@ _SKIP = 200
 
 
 def _median(values: list[int]) -> float:
-    kept = values[_SKIP:] if len(values) > 2 * _SKIP else values
+    kept = values[_SKIP:] if len(values) > 2 * _SKIP else values  # (a stage seen on fewer hand-offs: all of them)
     return statistics.median(kept) / 1e3
 
 
@@ -92,10 +92,15 @@ def main() -> int:
     p.add_argument("--spin", type=lambda t: t if t == "auto" else float(t), default=0.0,
                    help="the consumer's Channel.spin, seconds or 'auto' (default 0)")
     p.add_argument("--socket", action="store_true", help="refuse the shared-memory ring on both ends")
-    p.add_argument("--count", type=int, default=2000, help="hand-offs (default 2000; the first 200 are not counted)")
+    p.add_argument("--count", type=int, default=2000,
+                   help=f"hand-offs, more than {2 * _SKIP} (default 2000; the first {_SKIP} are not counted)")
     p.add_argument("--pause", type=float, default=300e-6, help="seconds the producer pauses before each send")
     p.add_argument("--size", type=int, default=1 << 20, help="bytes per block (default 1 MiB)")
     args = p.parse_args()
+    if args.count <= 2 * _SKIP:
+        p.error(f"--count must be more than {2 * _SKIP}: the first {_SKIP} hand-offs are warm-ups")
+    if args.pause < 0 or args.size < 8 or (args.spin != "auto" and args.spin < 0):
+        p.error("--pause and --spin must be at least 0, --size at least 8 bytes")
     folder = tempfile.mkdtemp(prefix="handoff-stages-")
     try:
         return _run(args, folder)
