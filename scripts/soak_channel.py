@@ -32,6 +32,7 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -376,7 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=15.0, help="seconds the producer may take to become quiet")
     ap.add_argument("--json", help="also write the report to this file")
     a = ap.parse_args(argv)
-    life = tuple(float(x) for x in a.lifetime.split(","))
+    try:
+        life = tuple(float(x) for x in a.lifetime.split(","))
+    except ValueError:
+        life = ()
+    if len(life) != 2 or not 0 < life[0] <= life[1]:
+        ap.error("--lifetime must be MIN,MAX seconds with 0 < MIN <= MAX")
+    if a.consumers < 1 or a.seconds <= 0 or a.warmup < 0 or a.settle <= 0 or a.size <= 0 or a.size % 4:
+        ap.error("--consumers must be at least 1, --seconds and --settle above 0, --warmup at least 0, and --size a "
+                 "positive multiple of 4")
+    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+        ap.error(f"--json {a.json}: no such folder")
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     random.seed(seed)
@@ -387,16 +398,23 @@ def main(argv: list[str] | None = None) -> int:
     pool = SharedPool(a.device, chunk_bytes=1 << 20, max_bytes=256 << 20)
     p = Producer(pool, address, a.size, a.device)
     t0 = time.monotonic()
-    _run_phase(z, p, a.warmup, a.consumers, life, rng)
-    time.sleep(0.5)
-    p.halt()
-    start = _settle(pool, None, a.settle)
-    p.counts.clear()
-    p.errors.clear()
-    _run_phase(z, p, a.seconds, a.consumers, life, rng)
-    stats = z.finish()
-    p.halt()
-    end = _settle(pool, start, a.settle)
+    try:
+        _run_phase(z, p, a.warmup, a.consumers, life, rng)
+        time.sleep(0.5)
+        p.halt()
+        start = _settle(pool, None, a.settle)
+        p.counts.clear()
+        p.errors.clear()
+        _run_phase(z, p, a.seconds, a.consumers, life, rng)
+        stats = z.finish()
+        p.halt()
+        end = _settle(pool, start, a.settle)
+    except KeyboardInterrupt:  # (Ctrl-C reaches the zygote and its consumers too: they end with it)
+        p.stop.set()  # the accept loop and the serving threads end within a second or a lease's wait
+        p.listener.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        print("soak_channel: interrupted", file=sys.stderr)
+        return 130
     back = {
         "fds": end["fd_list"] == start["fd_list"] and end["fd_kinds"] == start["fd_kinds"],
         "threads": end["threads"] == start["threads"] and end["tasks"] == start["tasks"],
