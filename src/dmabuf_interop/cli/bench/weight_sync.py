@@ -455,6 +455,11 @@ def _placement(label: str, cfg: dict[str, Any], say: Any) -> dict[str, Any]:
     if "vllm-backend" in paths:  # the vLLM backend in vLLM's order (weight_sync_vllm's two roles)
         say(f"placement {label}: vllm-backend")
         rows.append(_vllm_backend_row(cfg))
+    if cfg["host"]:  # (asked for by --paths: said so, not left out of the table without a word)
+        for name, kind in (("expandable-segments", "ours"), ("torch-reductions", "peer"), ("ipc-buckets", "peer")):
+            if name in paths:
+                rows.append(_row(name, kind, None, status="unsupported",
+                                 reason="GPU memory only: not measured over host pools (--host)"))
     if not cfg["host"] and "expandable-segments" in paths:
         exp = _run_ours({**cfg, "variants": ["hand-off"], "expandable": True},
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
