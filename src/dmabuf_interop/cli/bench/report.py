@@ -234,6 +234,18 @@ def pyplot() -> tuple[Any, str | None]:
     return plt, None
 
 
+def save_figure(plt: Any, fig: Any, path: str) -> str | None:
+    """Write ``fig`` to ``path`` and close it; returns why not (a full disk, ``/dev/full``, a format matplotlib
+    lacks), so that the caller records it and still writes the run's JSON."""
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:
+        return f"could not write {path}: {exc}"
+    finally:
+        plt.close(fig)
+    return None
+
+
 def plot(results: dict[str, Any], path: str) -> str | None:
     """Write the log-log plot; returns why not when matplotlib is missing or the file cannot be written (the
     caller records it, and writes the JSON still)."""
@@ -262,13 +274,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except (OSError, ValueError) as exc:  # a full disk, /dev/full, a format matplotlib lacks: the run is kept
-        return f"could not write {path}: {exc}"
-    finally:
-        plt.close(fig)
-    return None
+    return save_figure(plt, fig, path)
 
 
 def write_json(results: dict[str, Any], path: str) -> None:

@@ -47,7 +47,7 @@ import time
 from typing import Any
 
 from .child import Child, finish, report, serve, start
-from .report import pyplot, write_json
+from .report import pyplot, save_figure, write_json
 from .stats import Stats
 from .targets import row_p50, workload_targets
 from .weight_sync_backends import SAMPLE, _Numpy, _steps, _Torch, settle_gc
@@ -530,7 +530,8 @@ def print_table(results: dict[str, Any], file: Any = None) -> None:
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:
-    """A bar chart of p50 per path and placement; returns why it was skipped, or ``None``."""
+    """A bar chart of p50 per path and placement; returns why it was skipped (no matplotlib, or the file could not
+    be written), or ``None``."""
     plt, why = pyplot()
     if plt is None:
         return why
@@ -546,9 +547,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax.set_xlabel("p50 ms per step (trainer sends -> engine holds the new version)")
     ax.set_title(results["config"]["workload"])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return save_figure(plt, fig, path)
 
 
 def main(args: argparse.Namespace) -> int:
