@@ -42,12 +42,24 @@ from .pool import SharedPool
 from .protocol import visible_gpu_uuids
 from .wire import MAX_FRAME, send_frame, shut_down
 
-__all__ = ["listen", "connect", "Listener"]
+__all__ = ["listen", "connect", "Listener", "local_address_ok", "MAX_ADDRESS_BYTES"]
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 #: Message slots and release slots of each channel's ring (read when a ring is made, so a test may make them small).
 RING_SLOTS = 256
 RING_RELEASE_SLOTS = 1024
+
+
+#: The longest local address, in bytes as the file system encodes it: ``sun_path`` holds 108, a path's NUL included.
+MAX_ADDRESS_BYTES = 107
+
+
+def local_address_ok(address: Any) -> bool:
+    """Whether ``address`` can be a local channel address (a path or ``@name``): a non-empty str without NUL, of at
+    most :data:`MAX_ADDRESS_BYTES` bytes (``sun_path`` counts bytes, not characters). For addresses a peer names
+    (a placeholder, an init message), checked before anything binds or connects."""
+    return (isinstance(address, str) and bool(address) and "\0" not in address
+            and len(os.fsencode(address)) <= MAX_ADDRESS_BYTES)
 
 
 def _sockaddr(address: str | os.PathLike[str]) -> tuple[str, bool]:
@@ -322,8 +334,8 @@ class Listener(ListenerBase):
         listener runs no thread of its own, so keep a thread calling it. Each accepted connection is checked
         with ``SO_PEERCRED`` (uid in ``allow_uids``, default this process's effective uid, or gid in
         ``allow_gids``), then both sides exchange ``hello``, in a thread of its own within the listener's
-        ``handshake_timeout``: a client that connects and says nothing holds up nobody. A peer that fails (credentials, protocol version, host, a malformed or
-        late hello) is told why, dropped, counted in :attr:`refused` and logged (``WARNING`` on the
+        ``handshake_timeout``: a client that connects and says nothing holds up nobody. A peer that fails
+        (credentials, protocol version, host, a malformed or late hello) is told why, dropped, counted in :attr:`refused` and logged (``WARNING`` on the
         ``dmabuf_interop.channel`` logger); it is raised here only with ``raise_refused=True``. A peer
         that left before or during its handshake is dropped quietly.
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from typing import Any, Callable, Mapping
 
 from .._time import deadline_after, remaining
+from ..channel.rendezvous import local_address_ok
 from ..errors import IncompleteVersionError, InvalidArgumentError, ProtocolError, WaitTimeoutError
 from ..weight_sync import WeightPublisher, WeightReceiver
 
@@ -69,7 +69,7 @@ def _parse(name: Any) -> dict[str, Any]:
     if not isinstance(info, dict) or set(info) != {"address", "version", "timeout"}:
         raise ProtocolError("the placeholder needs exactly address, version and timeout")
     a, v, t = info["address"], info["version"], info["timeout"]
-    if not isinstance(a, str) or not a or "\0" in a or len(os.fsencode(a)) > 107:  # (sun_path: bytes)
+    if not local_address_ok(a):
         raise ProtocolError(f"a bad address in the placeholder: {a!r}")
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ProtocolError(f"a bad version in the placeholder: {v!r}")

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 from .._worker import DaemonWorker
+from ..channel.rendezvous import MAX_ADDRESS_BYTES, local_address_ok
 from ..errors import IncompleteVersionError, InvalidArgumentError
 from ..weight_sync import PublishReport, WeightPublisher, WeightReceiver
 
@@ -58,9 +58,9 @@ class InitInfo:
     timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.address, str) or not self.address or "\0" in self.address
-                or len(os.fsencode(self.address)) > 107):  # (sun_path's limit is in bytes, not characters)
-            raise ValueError(f"address must be a socket path or @name of at most 107 bytes, got {self.address!r}")
+        if not local_address_ok(self.address):
+            raise ValueError(f"address must be a socket path or @name of at most {MAX_ADDRESS_BYTES} bytes, "
+                             f"got {self.address!r}")
         _timeout(self.timeout, "timeout")
 
 
