@@ -276,13 +276,11 @@ def _device_index(device: Any) -> int:
         return device
     import torch
 
-    if not isinstance(device, (str, torch.device)):
-        raise InvalidArgumentError(f"args[6] must name a CUDA device, got {device!r}")
     try:
-        d = torch.device(device)
+        d = torch.device(device) if isinstance(device, (str, torch.device)) else None
     except RuntimeError:  # torch's "Invalid device string"
-        raise InvalidArgumentError(f"args[6] must name a CUDA device, got {device!r}") from None
-    if d.type != "cuda":
+        d = None
+    if d is None or d.type != "cuda":
         raise InvalidArgumentError(f"args[6] must name a CUDA device, got {device!r}")
     return torch.cuda.current_device() if d.index is None else d.index
 
