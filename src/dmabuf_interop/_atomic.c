@@ -16,6 +16,8 @@
  *   address(obj) -> int               the address of a buffer exporter's first element (a NumPy array's data)
  *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
  *                                     and only in the process that mapped it
+ *   span(address, nbytes, keep)       a writable buffer over memory the caller vouches for, holding keep (a
+ *                                     received array's owners) for as long as it or any export of it lives
  *
  * Every offset is checked: off >= 0, off + 8 (or + len(data)) <= len(buf), and the address 8-byte aligned
  * (ValueError otherwise); a store into a read-only buffer is a TypeError. Values are native u64; the ring's
@@ -25,6 +27,12 @@
  * Python mmap object inherited by the child still munmaps its address when it is closed or collected, and by
  * then the child may have mapped something else there; before Python 3.13 it also holds a duplicate of the fd
  * that nobody can close. Mapping keeps no fd and never munmaps in a process other than the one that mapped.
+ *
+ * Why span: a NumPy array over a received block must keep the block's owners alive (the Received, so its lease,
+ * and a reference on the chunk's mapping) for as long as the array or any view of it lives, so its base must
+ * hold them. numpy.asarray of an __array_interface__ object does that at about 1.7 us a call (the interface
+ * dict parsed each time); numpy.ndarray(shape, dtype, buffer=span(...), strides=...) does it at about 0.3 us
+ * (both measured warm on the 2-core x86-64 CPU machine, CPython 3.11.7, NumPy 2.4.6).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -376,6 +384,107 @@ static PyTypeObject MappingType = {
     .tp_as_buffer = &mapping_as_buffer,
 };
 
+/* --- Span: a buffer over memory owned elsewhere, holding its owners ------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    void *addr;
+    Py_ssize_t len;
+    PyObject *keep;
+} Span;
+
+static PyTypeObject SpanType;
+
+static int
+span_traverse(Span *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->keep);
+    return 0;
+}
+
+static int
+span_clear(Span *self)
+{
+    Py_CLEAR(self->keep);
+    return 0;
+}
+
+static void
+span_dealloc(Span *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->keep);
+    PyObject_GC_Del(self);
+}
+
+static int
+span_getbuffer(Span *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->len, 0, flags);
+}
+
+static Py_ssize_t
+span_length(Span *self)
+{
+    return self->len;
+}
+
+static PyObject *
+span_keep(Span *self, void *unused)
+{
+    return Py_NewRef(self->keep);
+}
+
+static PyGetSetDef span_getset[] = {
+    {"keep", (getter)span_keep, NULL, "What the span holds alive.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods span_as_sequence = {.sq_length = (lenfunc)span_length};
+
+static PyBufferProcs span_as_buffer = {.bf_getbuffer = (getbufferproc)span_getbuffer};
+
+static PyTypeObject SpanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dmabuf_interop._atomic.Span",
+    .tp_doc = "A writable buffer of nbytes at an address, holding keep: made by span().",
+    .tp_basicsize = sizeof(Span),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_traverse = (traverseproc)span_traverse,
+    .tp_clear = (inquiry)span_clear,
+    .tp_getset = span_getset,
+    .tp_as_sequence = &span_as_sequence,
+    .tp_as_buffer = &span_as_buffer,
+};
+
+static PyObject *
+span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "span(address, nbytes, keep) takes 3 arguments");
+        return NULL;
+    }
+    void *addr = PyLong_AsVoidPtr(args[0]);
+    if (addr == NULL && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t len = PyLong_AsSsize_t(args[1]);
+    if (len == -1 && PyErr_Occurred())
+        return NULL;
+    if (len < 0 || (addr == NULL && len > 0)) {
+        PyErr_Format(PyExc_ValueError, "span: %zd bytes at address %p", len, addr);
+        return NULL;
+    }
+    Span *self = PyObject_GC_New(Span, &SpanType);
+    if (self == NULL)
+        return NULL;
+    self->addr = addr;
+    self->len = len;
+    self->keep = Py_NewRef(args[2]);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
 /* --- module ------------------------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
@@ -395,6 +504,10 @@ static PyMethodDef methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(obj) -> int: the address of the first element of a buffer exporter (PyBUF_STRIDES: strided "
      "buffers too), as NumPy's ndarray.ctypes.data; BufferError (or TypeError) where it exports none."},
+    {"span", (PyCFunction)(void (*)(void))span, METH_FASTCALL,
+     "span(address, nbytes, keep) -> Span: a writable buffer of nbytes at address (an int) that holds keep for "
+     "as long as it, or a buffer exported from it (a NumPy array over it), lives. The caller vouches that the "
+     "memory stays mapped while keep lives. ValueError: nbytes < 0, or a NULL address with nbytes > 0."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -402,7 +515,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dmabuf_interop._atomic",
     .m_doc = "Acquire/release and seq_cst u64 loads and stores on shared memory, and Mapping (mmap with "
-             "MADV_DONTFORK), for the channel's shared-memory ring.",
+             "MADV_DONTFORK), for the channel's shared-memory ring; span, a buffer that holds a received array's "
+             "owners.",
     .m_size = -1,
     .m_methods = methods,
 };
@@ -410,7 +524,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__atomic(void)
 {
-    if (PyType_Ready(&MappingType) < 0)
+    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&SpanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

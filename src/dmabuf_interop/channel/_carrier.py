@@ -44,6 +44,7 @@ class ImportedChunk:
         self.id = chunk_id
         self.size = size
         self.buf = buf  # ImportedBuffer
+        self.ptr: int = buf.ptr  # the mapping's address (read once: ``buf.ptr`` checks it is open, 3 calls)
         self.device: int = buf.device  # -1: host
         self.refs = 0
         self.retired = False
