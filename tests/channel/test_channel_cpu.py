@@ -240,6 +240,26 @@ def test_zero_copy_shares_pages_and_copy_does_not(addr: str, pool: SharedPool) -
         x.close()
 
 
+def test_a_host_view_and_views_of_it_keep_the_lease_out_until_the_last_is_gone(addr: str, pool: SharedPool) -> None:
+    """A dropped Received whose NumPy array (or a view cut from it) still lives is not released by the safety net:
+    the array's base holds the Received; the lease completes once the last of them is collected."""
+    listener, prod, cons = pair(addr, pool)
+    lease = prod.send(np.arange(64, dtype=np.float32).reshape(8, 8))
+    r = cons.recv(5)
+    arr = r.as_array()
+    assert arr.dtype == np.float32 and arr.shape == (8, 8) and arr.flags.writeable
+    part = arr[2:, ::3]
+    assert part.tolist() == np.arange(64, dtype=np.float32).reshape(8, 8)[2:, ::3].tolist()
+    del r, arr
+    gc.collect()
+    time.sleep(0.05)
+    assert not lease.done
+    del part
+    gc.collect()
+    lease.wait(2)
+    assert lease.reason == "released"
+
+
 def test_lease_completes_on_release_and_block_returns(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     lease = prod.send(np.arange(100))

@@ -202,6 +202,49 @@ def test_atomic_address_is_numpys_data_pointer():
         _atomic.address(5)
 
 
+def test_atomic_span_is_a_writable_buffer_that_holds_its_owners_while_any_view_lives():
+    import weakref
+
+    import numpy as np
+
+    from dmabuf_interop import _atomic
+
+    class Owner:
+        pass
+
+    backing = np.arange(64, dtype=np.uint8)
+    owner = Owner()
+    gone = weakref.ref(owner)
+    span = _atomic.span(backing.ctypes.data, 64, (owner, backing))
+    assert len(span) == 64 and span.keep[0] is owner
+    arr = np.ndarray((8, 8), np.dtype(np.uint8), span, 0, (8, 1))
+    assert arr.base is span and arr.flags.writeable
+    assert arr[1].tolist() == list(range(8, 16))
+    arr[0, 0] = 99
+    assert backing[0] == 99  # the same bytes, no copy
+    view = arr[2:4, ::2]
+    del owner, span, arr
+    gc.collect()
+    assert gone() is not None  # a view of the array still holds the span, so its owners
+    del view
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(ValueError):
+        np.ndarray((9, 8), np.uint8, _atomic.span(backing.ctypes.data, 64, None), 0, (8, 1))  # past its bytes
+    with pytest.raises(ValueError):
+        _atomic.span(0, 8, None)
+    with pytest.raises(ValueError):
+        _atomic.span(backing.ctypes.data, -1, None)
+    with pytest.raises(TypeError):
+        _atomic.span(backing.ctypes.data, 8)
+    looped = Owner()
+    looped.span = _atomic.span(backing.ctypes.data, 8, looped)  # a cycle through keep is collected
+    probe = weakref.ref(looped)
+    del looped
+    gc.collect()
+    assert probe() is None
+
+
 def _memfd(size: int) -> int:
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
