@@ -54,6 +54,7 @@ _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
 _RING = object()  # (Reading._arrived) the next message is the peer ring's next slot
+_UNSET = object()  # (Reading._next) no deadline given
 #: Checks of the socket while a ``recv`` spins on the ring: one ``poll(0)`` every this many looks at the ring.
 _SPIN_SOCKET_EVERY = 32
 #: Seconds a ring slot may wait for the socket messages the peer sent before it (they are in this end's socket
@@ -388,10 +389,15 @@ class Reading:
     """The methods of a :class:`.channel.Channel` that read the socket and end the connection: ``recv`` in
     the caller's thread and the background reader share them (they use the channel's attributes)."""
 
-    def _next(self, timeout: float | None, want_batch: bool, spin: float | str = 0.0) -> _Queued:
+    def _next(self, timeout: float | None, want_batch: bool, spin: float | str = 0.0,
+              deadline: Any = _UNSET) -> _Queued:
+        """The next array message (``recv``, ``recv_many``), waiting at most ``timeout`` seconds, or until
+        ``deadline`` where given (``time.monotonic()``; ``None``: none): that of a :meth:`_recv_ready` that waited
+        first."""
         if self._owner != _forks.pid:
             raise ForkedResourceError("this channel", self._owner)
-        deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
+        if deadline is _UNSET:
+            deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         drained = False  # past the deadline, reading goes on until a read finds nothing: timeout=0 takes what has arrived
         while True:
             if self._releases.pending and not self._queue:
@@ -439,6 +445,48 @@ class Reading:
                 if self._waiters:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
+
+    def _recv_ready(self, deadline: float | None, spin: float | str) -> tuple[ArraysArrived, dict[int, Any]] | None:
+        """``recv()``'s steady state, in as few steps as it takes (Note [the steady-state lanes], in
+        :mod:`._lending`): with nothing queued, no background reader and the peer's ring attached, wait for the
+        ring's next slot as :meth:`_arrived` does (:meth:`_wait_both`: the socket too, ``spin``, the sleep) and,
+        when it is next in the peer's order and repeats one array's layout, take it without queueing it: its
+        arrival and its chunks, retained (:meth:`_take_slot`). ``None``: anything else, read by :meth:`_read_one`
+        here (a socket message first, a batch, the deadline passed, the end of the connection), or another thread
+        reads: :meth:`_next` takes it from there, with the same deadline."""
+        conn = self._conn
+        rings = conn.rings
+        if (rings is None or self._reader is not None or self._queue or self._releases.pending
+                or not rings.attached or self._owner != _forks.pid):
+            return None
+        lock = self._read_lock
+        if not lock.acquire(False):
+            return None
+        self._read_owner = _get_ident()
+        try:
+            while not self._proto.ended:
+                seq = rings.peek_sock_seq()
+                if seq is None:
+                    # (A socket message read, or bytes of one buffered, come first: poll would not show them.)
+                    if conn.ahead is None and not self._frames.buffered() and self._wait_both(deadline, spin) is False:
+                        continue  # the ring may hold something
+                elif seq == conn.sock_next:
+                    return self._take_slot(True)
+                # Anything else is read here, under the same hold of the lock, as _next would read it (a socket
+                # message handled or queued, the end of the connection ended in this thread); _next goes on.
+                self._read_one(deadline, spin)
+                break
+            return None
+        except (DmaBufError, OSError, ValueError) as exc:  # as _read_one: the connection ends
+            self._proto.fail(exc)
+            self._end()
+            return None
+        finally:
+            self._read_owner = 0
+            lock.release()
+            if self._waiters:
+                with self._state:
+                    self._state.notify_all()
 
     def _attach_peer_ring(self, deadline: float | None) -> None:
         """Read the peer's first socket message, its ``ring`` message, and attach its region: the handshake's
@@ -656,10 +704,12 @@ class Reading:
                                     f"{type(exc).__name__}: {exc}"))
         self._end()
 
-    def _take_slot(self) -> None:
+    def _take_slot(self, take: bool = False) -> tuple[ArraysArrived, dict[int, Any]] | None:
         """Take the peer ring's next slot (copied out and checked by :meth:`._ring.Rings.take_fields`) and hand
         it to the protocol state as the ``repeat`` it carries, queueing what arrived, as :meth:`_take` and
-        :meth:`_handle` do for a socket message; a slot that breaks the protocol ends the connection.
+        :meth:`_handle` do for a socket message; a slot that breaks the protocol ends the connection. ``take``:
+        one array's arrival is returned with its chunks (retained, as the queue retains them), not queued
+        (:meth:`_recv_ready`).
 
         Speed (load-bearing: a consumer pays each call between its wake-up and ``recv``'s return): one call from
         the slot to the queue; no record made for the slot, no loop over a socket message's events (a repeat's
@@ -667,24 +717,34 @@ class Reading:
         try:
             _, lease, layout, ordering, event = self._conn.rings.take_fields()
             with self._state_lock:  # (the Condition's own lock: notify_all in _queue_arrivals works under it)
-                self._queue_arrivals(self._proto.receive_slot(
-                    lease, layout, ordering, None if event is None else base64.b64encode(event).decode()))
+                events = self._proto.receive_slot(lease, layout, ordering,
+                                                  None if event is None else base64.b64encode(event).decode())
+                if take and events and events[0].kind == "array":  # (a slot's events: its arrival, or none)
+                    ev = events[0]
+                    return ev, self._retain_chunks(ev)
+                self._queue_arrivals(events)
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
         except Exception as exc:  # noqa: BLE001 - as in _take
             self._fail_here("repeat", exc)
+        return None
+
+    def _retain_chunks(self, ev: ArraysArrived) -> dict[int, Any]:
+        """(Under the state lock.) The chunks ``ev``'s arrays lie in, by id, each retained: mapped until received,
+        whatever comes after (a ``retire``, the end of the connection; :meth:`make_received` takes them over)."""
+        chunks = {}
+        for cid in ev.chunks:
+            chunk = chunks[cid] = self._imports[cid]
+            chunk.retain()
+        return chunks
 
     def _queue_arrivals(self, events: list[Event]) -> None:
-        """(Under the state lock.) Queue the arrays that arrived among ``events``, their chunks retained: mapped
-        until received, whatever comes after (a ``retire``, the end of the connection; :meth:`make_received` takes
-        them over). An empty batch holds nothing: its release is due at once."""
+        """(Under the state lock.) Queue the arrays that arrived among ``events``, their chunks retained
+        (:meth:`_retain_chunks`). An empty batch holds nothing: its release is due at once."""
         for ev in events:
             if type(ev) is ArraysArrived:
-                chunks = {}
-                for cid in ev.chunks:
-                    chunk = chunks[cid] = self._imports[cid]
-                    chunk.retain()
+                chunks = self._retain_chunks(ev)
                 views = None
                 if ev.layout is not None:
                     views = self._layout_views.get(ev.layout)

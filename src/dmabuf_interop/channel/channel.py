@@ -430,9 +430,15 @@ class Channel(Lending, Reading):
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`); ``spin`` out of range.
         """
         h = stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        q = self._next(timeout, False, self._spin if spin is None else check_spin(spin))
-        ev = q.event
-        return self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)[0]
+        spin = self._spin if spin is None else check_spin(spin)
+        deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
+        got = self._recv_ready(deadline, spin)  # the steady state: one array's slot, taken as it lands
+        if got is None:
+            q = self._next(timeout, False, spin, deadline)
+            ev, chunks = q.event, q.chunks
+        else:
+            ev, chunks = got
+        return self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, chunks)[0]
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None,
                   spin: float | str | None = None) -> dict[str, Received] | list[Received]:
