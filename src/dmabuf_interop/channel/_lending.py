@@ -78,6 +78,35 @@ class Lending:
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke, or was ended here): the peer unmaps everything anyway
 
+    def _send_ready(self, array: Any, timeout: Any) -> Lease | None:
+        """``send(array)`` in its steady state, in as few steps as it takes (Note [the steady-state lanes]): an
+        array lent again where it lay, with no ``meta``, no stream and the channel's ordering, on a connection whose
+        ring is attached and whose peer's release ring is not backlogged (:meth:`_lend_again`). ``None``: another
+        case, nothing done (:meth:`_send_items` takes it). Raises as ``send``."""
+        rings = self._rings
+        if rings is None or not rings.attached or self._owner != _forks.pid or self._proto.over:
+            return None
+        deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
+        if rings.releases_backlogged():
+            return None
+        memo = self._memos.single_again(array)  # (its block referenced again)
+        if memo is None:
+            return None
+        return self._lend_again(memo, 0, self._carrier.forced_ordering or self.ordering, deadline)
+
+    def _lend_again(self, memo: Memo, stream: int, ordering: str, deadline: float | None) -> Lease:
+        """Lend ``memo``'s one array again (its block referenced again), its writes on ``stream`` ordered
+        (:func:`.sending.order_writes`; the reference is given back if that fails)."""
+        if memo.dev_pool is None:
+            order, event, events = "none", None, None  # (order_writes' answer for host memory, without the call)
+        else:
+            try:
+                order, event, events = order_writes(memo.dev_pool, stream, ordering)
+            except BaseException:
+                memo.by_pool[0][0]._unref_many(memo.blocks)
+                raise
+        return self._lend_out(memo.blocks, memo.placed, None, order, event, events, None, memo, deadline)
+
     def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
         """``batch``: ``"mapping"`` or ``"list"`` (:meth:`.channel.Channel.send_many`), ``None``
@@ -108,16 +137,9 @@ class Lending:
                 take()
                 take = None
             if batch is None and meta is None:
-                # The steady state, in as few calls as it can be (load-bearing: each costs a process woken for
-                # the send about a microsecond): one array lent again where it lay, pushed into the ring.
                 memo = self._memos.single_again(arrays[0])  # (its block referenced again)
                 if memo is not None:
-                    try:
-                        order, event, events = order_writes(memo.dev_pool, h, ordering)
-                    except BaseException:
-                        memo.by_pool[0][0]._unref_many(memo.blocks)
-                        raise
-                    return self._lend_out(memo.blocks, memo.placed, None, order, event, events, None, memo, deadline)
+                    return self._lend_again(memo, h, ordering, deadline)
         prep = prepare(self.pool, self._memos, names, arrays, h, timeout, ordering, batch is not None,
                        self.share_segments, self._auto, take)
         if not prep.again:  # (a placement lent again lies in chunks the peer has: a retire forgets it)
@@ -133,7 +155,7 @@ class Lending:
     def _lend_out(self, blocks: list[Block], placed: list[Placed], batch: str | None, order: str, event: Any,
                   events: Any, meta: dict[str, Any] | None, memo: Memo | None, deadline: float | None) -> Lease:
         """Lend ``blocks`` (each referenced for the lease) under a new lease, and send the message that does:
-        a ring slot for a placement lent again without ``meta`` (:meth:`_push_again`), else :meth:`_send_batch`,
+        a ring slot for a placement lent again without ``meta`` (:meth:`_push`), else :meth:`_send_batch`,
         or an ``array`` message for one array copied into a new block (no ``memo``). On failure the lease is
         completed ``"closed"``."""
         lease = Lease(next_lease_id(), blocks, event, events, self._waits)
@@ -142,7 +164,17 @@ class Lending:
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         raw = None if event is None else event[1]
         try:
-            if not (memo is not None and meta is None and self._push_again(lease.id, memo, order, raw, deadline)):
+            pushed = False
+            if memo is not None and meta is None and self._rings is not None:
+                # A repeat of the memo's layout, in the ring (_push, under the send lock): False when the memo's
+                # layout is no longer the peer's or the ring is full, and then it goes by the socket below.
+                link = self._link
+                link.acquire_by(deadline)
+                try:
+                    pushed = self._memos.is_current(memo) and self._push(lease.id, memo.layout, order, raw)
+                finally:
+                    link.release()
+            if not pushed:
                 ev64 = base64.b64encode(raw).decode() if raw is not None else None
                 if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
                     link = self._link
@@ -177,18 +209,6 @@ class Lending:
         except RuntimeError as exc:  # "can't start new thread"
             log.warning("the channel's background reader could not start (%s): its releases are read by the "
                         "next send or recv", exc)
-
-    def _push_again(self, lease_id: int, memo: Memo, order: str, event: bytes | None, deadline: float | None) -> bool:
-        """Publish a repeat of ``memo``'s layout in the ring (:meth:`_push`, under the send lock); False: not
-        published (no ring, the memo's layout no longer the peer's, the ring full), for :meth:`_send_batch`."""
-        if self._rings is None:
-            return False
-        link = self._link
-        link.acquire_by(deadline)
-        try:
-            return self._memos.is_current(memo) and self._push(lease_id, memo.layout, order, event)
-        finally:
-            link.release()
 
     def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
                     meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,

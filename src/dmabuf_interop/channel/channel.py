@@ -381,6 +381,10 @@ class Channel(Lending, Reading):
             WaitTimeoutError: the peer took nothing of the message within ``timeout`` (or
                 :data:`SEND_TIMEOUT`): none of it went out, the channel is as it was.
         """
+        if meta is None and stream is None and ordering is None:
+            lease = self._send_ready(array, timeout)  # the steady state: an array lent again, into the ring
+            if lease is not None:
+                return lease
         return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
 
     def send_many(self, arrays: Mapping[str, Any] | Sequence[Any], *, stream: Any = None,

@@ -49,6 +49,9 @@ class Lease:
         reason: ``"released"`` (the peer released it), ``"disconnected"`` or ``"closed"``; ``None`` while out.
     """
 
+    # (Slots: a lease is made per send, and its attributes are set without a dict to make.)
+    __slots__ = ("id", "_blocks", "_event", "_events", "_waits", "_waiters", "_out", "_once", "reason", "__weakref__")
+
     def __init__(self, lease_id: int, blocks: list[Block], event: tuple[Any, bytes] | None,
                  events: Any = None, waits: Any = None) -> None:
         self.id = lease_id
