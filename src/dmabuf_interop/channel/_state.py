@@ -538,7 +538,8 @@ class ConnectionState:
 
     def _repeat(self, lease: int, layout_id: int, ordering: str, event: str | None,
                 meta: dict[str, Any] | None) -> list[Event]:
-        found = self._layouts.get(layout_id) or self._single_layouts.get(layout_id)
+        # (one array's layouts first: what the ring repeats most; the two tables never share an id)
+        found = self._single_layouts.get(layout_id) or self._layouts.get(layout_id)
         if found is None:
             raise ProtocolError(f"repeat of unknown layout {layout_id}")
         for cid, fact in found.chunks.items():
