@@ -115,10 +115,18 @@ class _Script:
             self._ready(key)
 
 
-def _consume(ch: Any, n: int, rng: random.Random, slow: float) -> list[int]:
+def _consume(ch: Any, n: int, rng: random.Random, slow: float, by_recv: bool = False) -> list[int]:
+    """``by_recv``: each message is asked for with ``recv()`` (a ring slot of one array is taken by its lane), and a
+    batch, which ``recv()`` refuses and leaves in place, with ``recv_many()`` then."""
     got = []
     for _ in range(n):
-        batch = ch.recv_many(10)
+        if by_recv:
+            try:
+                batch = [ch.recv(10)]
+            except InvalidArgumentError:
+                batch = ch.recv_many(10)
+        else:
+            batch = ch.recv_many(10)
         items = list(batch.values()) if isinstance(batch, dict) else batch
         firsts = {int(r.as_array().reshape(-1)[0]) for r in items}
         assert len(firsts) == 1, firsts
@@ -130,12 +138,14 @@ def _consume(ch: Any, n: int, rng: random.Random, slow: float) -> list[int]:
     return got
 
 
-@pytest.mark.parametrize("ends", [(True, True), (True, False), (False, True), (False, False)],
-                         ids=["ring", "listener-only", "connector-only", "socket"])
-def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monkeypatch, ends: tuple[bool, bool]) -> None:
+@pytest.mark.parametrize("ends,by_recv", [((True, True), False), ((True, True), True), ((True, False), False),
+                                          ((False, True), False), ((False, False), False)],
+                         ids=["ring", "ring-recv", "listener-only", "connector-only", "socket"])
+def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monkeypatch, ends: tuple[bool, bool],
+                                                           by_recv: bool) -> None:
     """Mixed ring slots and socket messages arrive in the order they were sent, a full ring falls back to the
     socket mid-stream, and a peer that speaks only the socket protocol (either end ``ring=False``) sees the
-    same stream."""
+    same stream; so does a consumer that asks with ``recv()`` first (its lane for one array's slot)."""
     monkeypatch.setattr(rendezvous, "RING_SLOTS", 4)  # small: the consumer's pauses fill it
     seen: list[str] = []
     encode = fdpass.encode_message
@@ -173,7 +183,7 @@ def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monke
 
             t = threading.Thread(target=produce)
             t.start()
-            got = _consume(cons, n, random.Random(3), slow=0.002)
+            got = _consume(cons, n, random.Random(3), slow=0.002, by_recv=by_recv)
             t.join(30)
             assert not errors, errors
             assert got == list(range(n))
@@ -190,6 +200,28 @@ def test_ring_and_socket_messages_keep_the_producers_order(tmp_path: Path, monke
         assert "ring" in kinds and "release" not in kinds or kinds["release"] < 10, kinds
     else:
         assert socket_arrays == n and "ring" not in kinds, kinds
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.05, "auto"])
+def test_a_recv_that_finds_nothing_waits_its_timeout_once(tmp_path: Path, spin: float | str) -> None:
+    """recv()'s lane waits for the ring's slot, then hands what is left to the general path with the same deadline:
+    a recv that nothing reaches raises WaitTimeoutError after its timeout, not after it twice (nor early)."""
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "t.sock"), pool, True, True)
+        with lst, prod, cons:
+            assert cons.ring
+            cons.spin = spin
+            for timeout in (0.0, 0.3):
+                t0 = time.monotonic()
+                with pytest.raises(WaitTimeoutError):
+                    cons.recv(timeout)
+                took = time.monotonic() - t0
+                assert timeout <= took < timeout + 0.25, (timeout, took)
+            a = pool.empty(4, "int32")
+            a[:] = 7
+            prod.send(a, timeout=5)
+            with cons.recv(5) as r:  # still in order after the timeouts
+                assert r.as_array().tolist() == [7, 7, 7, 7]
 
 
 def test_a_hello_says_whether_the_ring_is_offered(tmp_path: Path) -> None:
