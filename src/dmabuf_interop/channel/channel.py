@@ -433,7 +433,7 @@ class Channel(Lending, Reading):
                 :data:`.wire.REST_TIMEOUT` seconds (the connection was closed).
             InvalidArgumentError: the next message is a batch (use :meth:`recv_many`); ``spin`` out of range.
         """
-        h = stream_handle(stream)  # before the message is taken: a bad stream must not lose it
+        h = 0 if stream is None else stream_handle(stream)  # before the message is taken: a bad stream must not lose it
         spin = self._spin if spin is None else check_spin(spin)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         got = self._recv_ready(deadline, spin)  # the steady state: one array's slot, taken as it lands
