@@ -20,7 +20,9 @@ else to the general path, which decides as before: ``send`` -> :meth:`Lending._s
 not hold it returns ``None`` having done nothing (``send``), or having read what came instead under the same hold
 of the read lock (``recv``), and the general path goes on. Measured with CPython 3.11.7 on the 2-core x86-64 CPU
 machine, both ends in one process, no reader thread, the 10th percentile of 27,000 hand-offs of a 4 KiB host
-block: ``send`` 4.6 -> 4.2 us, ``recv`` 6.2 -> 4.6 us (the host ``as_array`` 2.0 -> 1.15 us: ``_atomic.span``).
+block (the median of three runs): ``send`` 4.75 -> 4.40 us, ``recv`` 6.49 -> 4.73 us (and the host ``as_array``
+2.08 -> 1.22 us: ``_atomic.span``); between two processes (docs/benchmarks.md, "Host memory") the hand-off with a
+spinning consumer 24.9 -> 15.3 us, the medians of seven runs of each in turn.
 """
 
 from __future__ import annotations
