@@ -14,7 +14,9 @@ thread. Each Python step of it costs a process that was just woken (or that shar
 two to three times what it costs warm, and the hand-off is a chain of such steps, so both ends take that case by a
 lane of its own that goes straight through the same checks and the same state machine calls, and hands anything
 else to the general path, which decides as before: ``send`` -> :meth:`Lending._send_ready` (then
-:meth:`Lending._lend_again` and :meth:`Lending._lend_out`, which the general path shares); ``recv`` ->
+:meth:`Lending._lend_again`, which the general path shares: the slot published first, the lease made and recorded
+after it under the state lock, which a release of it needs; :meth:`Lending._lend_out` where the ring cannot take
+it); ``recv`` ->
 :meth:`._reader.Reading._recv_ready` (the slot next in the peer's order, its arrival taken from
 :meth:`._reader.Reading._take_slot` without the queue). A lane decides nothing of its own: where its case does
 not hold it returns ``None`` having done nothing (``send``), or having read what came instead under the same hold
@@ -112,7 +114,10 @@ class Lending:
 
     def _lend_again(self, memo: Memo, stream: int, ordering: str, deadline: float | None) -> Lease:
         """Lend ``memo``'s one array again (its block referenced again), its writes on ``stream`` ordered
-        (:func:`.sending.order_writes`; the reference is given back if that fails)."""
+        (:func:`.sending.order_writes`), as a repeat of its layout in the ring: the slot published first, then the
+        lease made and recorded, under one hold of the send lock and the state lock (Note [the steady-state lanes]).
+        Where the ring cannot take it (full, the memo's layout no longer the peer's), :meth:`_lend_out`. On failure
+        the block's reference (and the event) is given back."""
         if memo.dev_pool is None:
             order, event, events = "none", None, None  # (order_writes' answer for host memory, without the call)
         else:
@@ -121,6 +126,34 @@ class Lending:
             except BaseException:
                 memo.by_pool[0][0]._unref_many(memo.blocks)
                 raise
+        if self._rings is not None:
+            lease = None
+            lease_id = next_lease_id()
+            link = self._link
+            self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
+            try:
+                link.acquire_by(deadline)
+                try:
+                    with self._state_lock:
+                        # Load-bearing: the slot goes out before the lease is made and recorded, so the peer's work
+                        # begins that much sooner; its release is taken under this lock, so only after the record.
+                        if self._memos.is_current(memo) and self._push(lease_id, memo.layout, order,
+                                                                       None if event is None else event[1]):
+                            lease = Lease(lease_id, memo.blocks, event, events, self._waits)
+                            self._proto.lend(lease_id, lease)
+                finally:
+                    link.release()
+            except BaseException:
+                if lease is None:  # (nothing lent: the reference and the event go back)
+                    memo.by_pool[0][0]._unref_many(memo.blocks)
+                    if event is not None:
+                        events.give(event)
+                raise
+            finally:
+                if self._reader is None:  # (as _lend_out: the end of a connection a failed send broke is seen too)
+                    self._reader_after_send()
+            if lease is not None:
+                return lease
         return self._lend_out(memo.blocks, memo.placed, None, order, event, events, None, memo, deadline)
 
     def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
