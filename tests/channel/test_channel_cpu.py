@@ -868,6 +868,30 @@ def test_a_close_during_the_first_send_leaves_no_reader_to_fail(addr: str) -> No
     assert died == []
 
 
+def test_a_close_while_the_first_send_starts_the_reader_does_not_fail(addr: str, monkeypatch) -> None:
+    """The background reader is started by the first send once its message is out; a close() in another thread
+    while that thread is starting (here it takes 0.3 s to start) closes the channel and joins the reader, with no
+    "cannot join thread before it is started"."""
+    start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        if self.name == "dmabuf-interop-channel-reader":
+            time.sleep(0.3)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        listener, prod, cons = pair(addr, pool)
+        a = pool.empty(8, "uint8")
+        sending = in_thread(lambda: prod.send(a, timeout=5))
+        time.sleep(0.1)  # the message is out, the reader starting
+        prod.close(timeout=2)
+        assert prod.closed
+        sending(5)  # the send itself succeeded: its message went out before the close
+        for x in (cons, listener):
+            x.close()
+
+
 def test_a_reader_that_cannot_start_after_the_first_send_is_logged_and_the_lease_returned(
         addr: str, pool: SharedPool, caplog: pytest.LogCaptureFixture) -> None:
     """The message is out when the reader starts: a thread that cannot start fails nothing (the lease is lent and

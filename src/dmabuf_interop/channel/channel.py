@@ -271,16 +271,17 @@ class Channel(Lending, Reading):
         with self._state:
             if self._reader is not None:
                 return
-            reader = self._reader = threading.Thread(target=_read_loop, args=(self._weak, self._conn),
-                                                     name="dmabuf-interop-channel-reader", daemon=True)
+            reader = threading.Thread(target=_read_loop, args=(self._weak, self._conn),
+                                      name="dmabuf-interop-channel-reader", daemon=True)
             self._conn.has_reader = True
-        try:
-            reader.start()
-        except BaseException:  # (RuntimeError: no thread could be started) the next call tries again
-            with self._state:
-                self._reader = None
+            try:
+                # Started under the state lock, which its first steps do not take (it waits for the read lock): a
+                # close() in another thread finds no reader, or one it can join.
+                reader.start()
+            except BaseException:  # (RuntimeError: no thread could be started) the next call tries again
                 self._conn.has_reader = False
-            raise
+                raise
+            self._reader = reader
 
     @property
     def max_queued(self) -> int:
