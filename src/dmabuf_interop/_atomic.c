@@ -16,7 +16,7 @@
  *   address(obj) -> int               the address of a buffer exporter's first element (a NumPy array's data)
  *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
  *                                     and only in the process that mapped it
- *   span(address, nbytes, keep)       a writable buffer over memory the caller vouches for, holding keep (a
+ *   span(address, nbytes, keep, readonly=False)  a buffer over memory the caller vouches for, holding keep (a
  *                                     received array's owners) for as long as it or any export of it lives
  *
  * Every offset is checked: off >= 0, off + 8 (or + len(data)) <= len(buf), and the address 8-byte aligned
@@ -390,6 +390,7 @@ typedef struct {
     PyObject_HEAD
     void *addr;
     Py_ssize_t len;
+    int readonly;
     PyObject *keep;
 } Span;
 
@@ -420,7 +421,11 @@ span_dealloc(Span *self)
 static int
 span_getbuffer(Span *self, Py_buffer *view, int flags)
 {
-    return PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->len, 0, flags);
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->len, self->readonly, flags) < 0) {
+        view->obj = NULL; /* a writable buffer of a read-only span: BufferError */
+        return -1;
+    }
+    return 0;
 }
 
 static Py_ssize_t
@@ -435,8 +440,15 @@ span_keep(Span *self, void *unused)
     return Py_NewRef(self->keep);
 }
 
+static PyObject *
+span_readonly(Span *self, void *unused)
+{
+    return PyBool_FromLong(self->readonly);
+}
+
 static PyGetSetDef span_getset[] = {
     {"keep", (getter)span_keep, NULL, "What the span holds alive.", NULL},
+    {"readonly", (getter)span_readonly, NULL, "True when its buffer is exported read-only.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -447,7 +459,7 @@ static PyBufferProcs span_as_buffer = {.bf_getbuffer = (getbufferproc)span_getbu
 static PyTypeObject SpanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dmabuf_interop._atomic.Span",
-    .tp_doc = "A writable buffer of nbytes at an address, holding keep: made by span().",
+    .tp_doc = "A buffer of nbytes at an address (read-only or writable), holding keep: made by span().",
     .tp_basicsize = sizeof(Span),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_dealloc = (destructor)span_dealloc,
@@ -461,10 +473,13 @@ static PyTypeObject SpanType = {
 static PyObject *
 span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "span(address, nbytes, keep) takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "span(address, nbytes, keep, readonly=False) takes 3 or 4 arguments");
         return NULL;
     }
+    int readonly = 0;
+    if (nargs == 4 && (readonly = PyObject_IsTrue(args[3])) < 0)
+        return NULL;
     void *addr = PyLong_AsVoidPtr(args[0]);
     if (addr == NULL && PyErr_Occurred())
         return NULL;
@@ -480,6 +495,7 @@ span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     self->addr = addr;
     self->len = len;
+    self->readonly = readonly;
     self->keep = Py_NewRef(args[2]);
     PyObject_GC_Track(self);
     return (PyObject *)self;
@@ -505,9 +521,11 @@ static PyMethodDef methods[] = {
      "address(obj) -> int: the address of the first element of a buffer exporter (PyBUF_STRIDES: strided "
      "buffers too), as NumPy's ndarray.ctypes.data; BufferError (or TypeError) where it exports none."},
     {"span", (PyCFunction)(void (*)(void))span, METH_FASTCALL,
-     "span(address, nbytes, keep) -> Span: a writable buffer of nbytes at address (an int) that holds keep for "
-     "as long as it, or a buffer exported from it (a NumPy array over it), lives. The caller vouches that the "
-     "memory stays mapped while keep lives. ValueError: nbytes < 0, or a NULL address with nbytes > 0."},
+     "span(address, nbytes, keep, readonly=False) -> Span: a buffer of nbytes at address (an int), read-only "
+     "or writable, that holds keep for as long as it, or a buffer exported from it (a NumPy array over it), "
+     "lives. The caller vouches that the memory stays mapped while keep lives, and is writable unless readonly. "
+     "ValueError: nbytes < 0, or a NULL address with nbytes > 0; BufferError: a writable buffer asked of a "
+     "read-only span."},
     {NULL, NULL, 0, NULL},
 };
 

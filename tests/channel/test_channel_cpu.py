@@ -260,6 +260,30 @@ def test_a_host_view_and_views_of_it_keep_the_lease_out_until_the_last_is_gone(a
     assert lease.reason == "released"
 
 
+def test_a_chunk_the_peer_sealed_against_writing_arrives_as_read_only_arrays(addr: str) -> None:
+    """A producer that seals its chunk's memfd against writing (F_SEAL_FUTURE_WRITE) before announcing it gets it
+    mapped read-only here: its arrays read, and a write raises ValueError instead of killing the process."""
+    import fcntl
+
+    with SharedPool(chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        listener, prod, cons = pair(addr, pool)
+        a = pool.empty(8, "float32")
+        a[:] = 7
+        with pool._chunks[0].fds() as fds:  # (the hostile part: a seal the pool never adds)
+            fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, 0x10)  # F_SEAL_FUTURE_WRITE
+        for _ in range(2):  # the chunk's first array (a definition), then a repeat (the ring's steady state)
+            lease = prod.send(a)
+            with cons.recv(5) as r:
+                x = r.as_array()
+                assert x.tolist() == [7.0] * 8 and not x.flags.writeable
+                with pytest.raises(ValueError):
+                    x[0] = 1.0
+                del x
+            lease.wait(5)
+        for c in (cons, prod, listener):
+            c.close()
+
+
 def test_lease_completes_on_release_and_block_returns(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     lease = prod.send(np.arange(100))

@@ -237,6 +237,12 @@ def test_atomic_span_is_a_writable_buffer_that_holds_its_owners_while_any_view_l
         _atomic.span(backing.ctypes.data, -1, None)
     with pytest.raises(TypeError):
         _atomic.span(backing.ctypes.data, 8)
+    frozen = np.ndarray((8,), np.uint8, _atomic.span(backing.ctypes.data, 8, None, True), 0, (1,))
+    assert not frozen.flags.writeable and frozen.base.readonly and frozen[1] == 1
+    with pytest.raises(ValueError):
+        frozen[0] = 5  # a read-only span exports no writable buffer
+    with pytest.raises(TypeError):
+        memoryview(frozen.base)[0:1] = b"x"
     looped = Owner()
     looped.span = _atomic.span(backing.ctypes.data, 8, looped)  # a cycle through keep is collected
     probe = weakref.ref(looped)

@@ -45,6 +45,8 @@ class ImportedChunk:
         self.size = size
         self.buf = buf  # ImportedBuffer
         self.ptr: int = buf.ptr  # the mapping's address (read once: ``buf.ptr`` checks it is open, 3 calls)
+        # A memfd the peer sealed against writing is mapped PROT_READ: its host views refuse writes.
+        self.read_only: bool = getattr(buf, "read_only", False)
         self.device: int = buf.device  # -1: host
         self.refs = 0
         self.retired = False

@@ -50,9 +50,10 @@ class HostView:
     holder, a Received) live exactly as long as some array uses the bytes.
     """
 
-    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, keep: tuple) -> None:
+    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, keep: tuple,
+                 readonly: bool = False) -> None:
         # (a descriptor's shape and strides are tuples already: no copies on a receiver's hot path)
-        self.__array_interface__ = {"version": 3, "data": (ptr, False),
+        self.__array_interface__ = {"version": 3, "data": (ptr, readonly),
                                     "shape": shape if type(shape) is tuple else tuple(shape),
                                     "strides": strides if type(strides) is tuple else tuple(strides),
                                     "typestr": typestr}

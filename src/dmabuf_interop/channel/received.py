@@ -196,7 +196,8 @@ class Received:
         """The array, zero-copy.
 
         Returns:
-            host: a writable NumPy array over the shared pages, of the sender's dtype (the dtypes NumPy
+            host: a NumPy array over the shared pages, of the sender's dtype, writable unless the peer sealed its
+            chunk against writing (then mapped read-only: a write raises ``ValueError``) (the dtypes NumPy
             lacks, bfloat16, the float8 kinds and complex32, are ``ml_dtypes``' and need it);
             device: a :class:`.pool.DeviceView`: ``ptr``, ``shape``, ``strides`` (elements),
             ``dtype`` (a dtype NumPy lacks as the unsigned int of its size: bfloat16 as uint16, float8 as
@@ -222,9 +223,9 @@ class Received:
                 # HostView (its base holds the owners), made in a fifth of the time (why: _atomic.c's header).
                 if _ndarray is None:
                     _load_asarray()
-                arr = _ndarray(d.shape, storage, _span(ptr, d.span, keep), 0, d.strides)
+                arr = _ndarray(d.shape, storage, _span(ptr, d.span, keep, chunk.read_only), 0, d.strides)
             else:
-                arr = (_asarray or _load_asarray())(HostView(ptr, d.shape, d.strides, typestr, keep))
+                arr = (_asarray or _load_asarray())(HostView(ptr, d.shape, d.strides, typestr, keep, chunk.read_only))
             # (ml_dtypes: the typestr would say only 'V2'; the storage int's view gets the dtype)
             return arr if dt is None else arr.view(dt)
         # (_device_view, inline: a consumer woken for the array pays about a microsecond a call)
@@ -235,7 +236,8 @@ class Received:
     def _host_view(self, typestr: str) -> Any:
         d = self.descriptor
         keep = (self, ChunkRef(self._chunk), self._chunk.buf._mapping.map)
-        return (_asarray or _load_asarray())(HostView(self._ptr, d.shape, d.strides, typestr, keep))
+        return (_asarray or _load_asarray())(HostView(self._ptr, d.shape, d.strides, typestr, keep,
+                                                      self._chunk.read_only))
 
     def _device_view(self, dt: Any) -> DeviceView:
         d = self.descriptor

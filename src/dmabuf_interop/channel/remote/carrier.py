@@ -49,8 +49,8 @@ class _LocalBlock:
     """A block of this side's pool that a ``READ`` filled; back to the pool when its batch's
     :class:`Received` are all released or gone.
 
-    Offers what :class:`Received` reads from an imported chunk (``id``, ``size``, ``device``, ``buf.ptr``,
-    ``buf._mapping``).
+    Offers what :class:`Received` reads from an imported chunk (``id``, ``size``, ``device``, ``ptr``, ``read_only``,
+    ``buf.ptr``, ``buf._mapping``).
     """
 
     def __init__(self, block: Block) -> None:
@@ -59,6 +59,7 @@ class _LocalBlock:
         self.id = next(chunk_ids)  # its own: torch views of a batch are made per chunk (_BatchViews)
         self.size = block.size
         self.ptr = block.ptr
+        self.read_only = False  # (this side's own block)
         self.device = -1 if block.pool.is_host else block.pool.device
         self._mapping = (types.SimpleNamespace(map=block.chunk.host_keepalive(block.offset, block.size))
                          if block.pool.is_host else None)
