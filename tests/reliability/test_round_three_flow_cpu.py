@@ -198,7 +198,7 @@ _TORCH_DTYPES = ["float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3f
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("name", _TORCH_DTYPES)
 def test_a_torch_cpu_tensor_travels_with_its_dtype(addr: str, pool: SharedPool, name: str) -> None:
-    import torch
+    torch = pytest.importorskip("torch", reason="a torch tensor needs torch (CI installs the CPU build)")
 
     dt = getattr(torch, name)
     t = torch.tensor([0.5, 1, 2, 4, 0.25, 8, 1, 2], dtype=torch.float32).to(dt)
@@ -242,6 +242,7 @@ with SharedPool(chunk_bytes=1 << 20, max_bytes=4 << 20) as pool:
 
 
 def test_without_ml_dtypes_a_host_bfloat16_or_float8_array_is_refused_by_name_and_as_tensor_works() -> None:
+    pytest.importorskip("torch", reason="as_tensor needs torch (CI installs the CPU build)")
     run = subprocess.run([sys.executable, "-c", _NO_ML_DTYPES], capture_output=True, text=True, timeout=60,
                          env=env_with_src(), cwd=ROOT)
     assert run.returncode == 0, run.stderr
