@@ -16,11 +16,10 @@ lane of its own that goes straight through the same checks and the same state ma
 else to the general path, which decides as before: ``send`` -> :meth:`Lending._send_ready` (then
 :meth:`Lending._lend_again`, which the general path shares: the slot published first, the lease made and recorded
 after it under the state lock, which a release of it needs; :meth:`Lending._lend_out` where the ring cannot take
-it); ``recv`` ->
-:meth:`._reader.Reading._recv_ready` (the slot next in the peer's order, its arrival taken from
-:meth:`._reader.Reading._take_slot` without the queue). A lane decides nothing of its own: where its case does
-not hold it returns ``None`` having done nothing (``send``), or having read what came instead under the same hold
-of the read lock (``recv``), and the general path goes on. Measured with CPython 3.11.7 on the 2-core x86-64 CPU
+it); ``recv`` -> :meth:`._reader.Reading._recv_ready` (the slot next in the peer's order, its arrival taken from
+:meth:`._reader.Reading._take_slot` without the queue). A lane decides nothing of its own: where its case does not
+hold it returns ``None`` having done nothing (``send``), or having read what came instead under the same hold of
+the read lock (``recv``), and the general path goes on. Measured with CPython 3.11.7 on the 2-core x86-64 CPU
 machine, both ends in one process, no reader thread, the 10th percentile of 27,000 hand-offs of a 4 KiB host
 block (the median of three runs): ``send`` 4.75 -> 4.40 us, ``recv`` 6.49 -> 4.73 us (and the host ``as_array``
 2.08 -> 1.22 us: ``_atomic.span``); between two processes (docs/benchmarks.md, "Host memory") the hand-off with a
@@ -204,7 +203,7 @@ class Lending:
     def _lend_out(self, blocks: list[Block], placed: list[Placed], batch: str | None, order: str, event: Any,
                   events: Any, meta: dict[str, Any] | None, memo: Memo | None, deadline: float | None) -> Lease:
         """Lend ``blocks`` (each referenced for the lease) under a new lease, and send the message that does:
-        a ring slot for a placement lent again without ``meta`` (:meth:`_push`), else :meth:`_send_batch`,
+        a ring slot for a placement lent again without ``meta`` (:meth:`_push_again`), else :meth:`_send_batch`,
         or an ``array`` message for one array copied into a new block (no ``memo``). On failure the lease is
         completed ``"closed"``."""
         lease = Lease(next_lease_id(), blocks, event, events, self._waits)
@@ -213,17 +212,7 @@ class Lending:
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         raw = None if event is None else event[1]
         try:
-            pushed = False
-            if memo is not None and meta is None and self._rings is not None:
-                # A repeat of the memo's layout, in the ring (_push, under the send lock): False when the memo's
-                # layout is no longer the peer's or the ring is full, and then it goes by the socket below.
-                link = self._link
-                link.acquire_by(deadline)
-                try:
-                    pushed = self._memos.is_current(memo) and self._push(lease.id, memo.layout, order, raw)
-                finally:
-                    link.release()
-            if not pushed:
+            if not (memo is not None and meta is None and self._push_again(lease.id, memo, order, raw, deadline)):
                 ev64 = base64.b64encode(raw).decode() if raw is not None else None
                 if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
                     link = self._link
@@ -258,6 +247,18 @@ class Lending:
         except RuntimeError as exc:  # "can't start new thread"
             log.warning("the channel's background reader could not start (%s): its releases are read by the "
                         "next send or recv", exc)
+
+    def _push_again(self, lease_id: int, memo: Memo, order: str, event: bytes | None, deadline: float | None) -> bool:
+        """Publish a repeat of ``memo``'s layout in the ring (:meth:`_push`, under the send lock); False: not
+        published (no ring, the memo's layout no longer the peer's, the ring full), for :meth:`_send_batch`."""
+        if self._rings is None:
+            return False
+        link = self._link
+        link.acquire_by(deadline)
+        try:
+            return self._memos.is_current(memo) and self._push(lease_id, memo.layout, order, event)
+        finally:
+            link.release()
 
     def _send_batch(self, lease_id: int, placed: list[Placed], mapping: bool | None, order: str, ev64: str | None,
                     meta: dict[str, Any] | None, memo: Memo | None = None, deadline: float | None = None,
