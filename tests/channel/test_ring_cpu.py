@@ -202,7 +202,7 @@ def test_atomic_address_is_numpys_data_pointer():
         _atomic.address(5)
 
 
-def test_atomic_span_is_a_writable_buffer_that_holds_its_owners_while_any_view_lives():
+def test_atomic_span_holds_its_owners_while_any_view_lives_and_a_read_only_one_refuses_writes():
     import weakref
 
     import numpy as np
