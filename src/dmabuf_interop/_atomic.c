@@ -13,6 +13,8 @@
  *   store_seq(buf, off, value)        seq_cst store
  *   store_load(buf, off, v, peer, poff) -> int  store_seq, then load_seq of peer[poff] (the Dekker step)
  *   publish(buf, off, data)           copy data[8:] to buf[off+8:], then release-store data[0:8] at buf[off]
+ *   read_slot(peer, off, seq, last, orderings)  one copy of a ring slot, checked (BadSlot: the copy, refused)
+ *   push_slot(buf, off, seq, ..., peer, poff)  a ring slot written and published, and the Dekker step
  *   address(obj) -> int               the address of a buffer exporter's first element (a NumPy array's data)
  *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
  *                                     and only in the process that mapped it
@@ -212,6 +214,184 @@ publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&view);
     PyBuffer_Release(&data);
     Py_RETURN_NONE;
+}
+
+/* --- the ring's slot ---------------------------------------------------------------------------------------
+ *
+ * A slot (docs/protocol.md, "Shared-memory ring"; channel/_ring_region.py's SLOT, struct "<QQQIBB2x64s"):
+ *   0 seq u64 | 8 sock_seq u64 | 16 lease u64 | 24 layout u32 | 28 ordering u8 | 29 has_event u8 | 30 pad 2 |
+ *   32 event 64 bytes.
+ * read_slot and push_slot do in one call what the ring's hot paths did in four to six (struct, the checks, the
+ * publish and the Dekker step): each Python step costs a consumer just woken two to three times its warm cost.
+ * The checks are the ring's (Note [the peer's region] in channel/_ring.py); tests compare both codings. */
+#define SLOT_SIZE 96
+#define EVENT_SIZE 64
+#define N_ORDERINGS 3      /* "sync", "event", "none": ORDERINGS, by code */
+#define EVENT_CODE 1
+#define LEASE_LIMIT (1ULL << 53)
+
+static PyObject *BadSlot;  /* raised by read_slot with the copied fields: the caller says what was wrong */
+
+static uint64_t
+u64_at(const unsigned char *b, size_t off)
+{
+    uint64_t v;
+    memcpy(&v, b + off, 8);
+    return v;
+}
+
+/* read_slot(peer, off, seq, last_sock_seq, orderings) -> (sock_seq, lease, layout, ordering, event or None).
+ * One copy of the slot at peer[off] (the peer may rewrite it at any moment), checked and used: its seq must be
+ * seq, its sock_seq at least last_sock_seq, its lease in [1, 2**53), its ordering code an index of orderings (a
+ * tuple of 3 str) with has_event 1 exactly for EVENT_CODE. Else BadSlot(seq, sock_seq, lease, layout, code,
+ * has_event, event): the copy, for the caller's message. */
+static PyObject *
+read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    unsigned char s[SLOT_SIZE];
+    if (!nargs_ok(nargs, 5, "read_slot"))
+        return NULL;
+    unsigned long long want = PyLong_AsUnsignedLongLong(args[2]);
+    if (want == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long last = PyLong_AsUnsignedLongLong(args[3]);
+    if (last == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *orderings = args[4];
+    if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS) {
+        PyErr_SetString(PyExc_TypeError, "read_slot: orderings must be a tuple of 3");
+        return NULL;
+    }
+    uint64_t *p = at(args[0], args[1], SLOT_SIZE, 0, &view);
+    if (p == NULL)
+        return NULL;
+    memcpy(s, p, SLOT_SIZE);  /* the one read of the peer's memory */
+    PyBuffer_Release(&view);
+    uint64_t seq = u64_at(s, 0), sock_seq = u64_at(s, 8), lease = u64_at(s, 16);
+    uint32_t layout;
+    memcpy(&layout, s + 24, 4);
+    unsigned code = s[28], has_event = s[29];
+    if (seq != want || sock_seq < last || lease == 0 || lease >= LEASE_LIMIT || code >= N_ORDERINGS
+        || has_event != (code == EVENT_CODE)) {
+        PyObject *raw = Py_BuildValue("(KKKIIIy#)", (unsigned long long)seq, (unsigned long long)sock_seq,
+                                      (unsigned long long)lease, layout, code, has_event, (const char *)s + 32,
+                                      (Py_ssize_t)EVENT_SIZE);
+        if (raw != NULL) {
+            PyErr_SetObject(BadSlot, raw);
+            Py_DECREF(raw);
+        }
+        return NULL;
+    }
+    PyObject *event;
+    if (has_event) {
+        event = PyBytes_FromStringAndSize((const char *)s + 32, EVENT_SIZE);
+        if (event == NULL)
+            return NULL;
+    } else {
+        event = Py_NewRef(Py_None);
+    }
+    PyObject *out = PyTuple_New(5);
+    if (out == NULL) {
+        Py_DECREF(event);
+        return NULL;
+    }
+    PyObject *a = PyLong_FromUnsignedLongLong(sock_seq), *b = PyLong_FromUnsignedLongLong(lease),
+             *c = PyLong_FromUnsignedLong(layout);
+    if (a == NULL || b == NULL || c == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(c);
+        Py_DECREF(event);
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, a);
+    PyTuple_SET_ITEM(out, 1, b);
+    PyTuple_SET_ITEM(out, 2, c);
+    PyTuple_SET_ITEM(out, 3, Py_NewRef(PyTuple_GET_ITEM(orderings, code)));
+    PyTuple_SET_ITEM(out, 4, event);
+    return out;
+}
+
+/* push_slot(buf, off, seq, sock_seq, lease, layout, code, event, tail_off, peer, asleep_off) -> int.
+ * Write the slot at buf[off] (its body, then seq with a release store), then the Dekker step: a seq_cst store of
+ * seq at buf[tail_off] (the tail) and a seq_cst load of the u64 at peer[asleep_off], returned (nonzero: the peer
+ * sleeps, wake it). Everything is checked before anything is written: ValueError for a lease outside [1, 2**53),
+ * a code >= 3, an event that is not 64 bytes or None exactly when code is not EVENT_CODE; OverflowError for a
+ * value past its field. */
+static PyObject *
+push_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view, tailv, peerv, ev;
+    unsigned char s[SLOT_SIZE];
+    if (!nargs_ok(nargs, 11, "push_slot"))
+        return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long sock_seq = PyLong_AsUnsignedLongLong(args[3]);
+    if (sock_seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long lease = PyLong_AsUnsignedLongLong(args[4]);
+    if (lease == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long layout = PyLong_AsUnsignedLong(args[5]);
+    if (layout == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long code = PyLong_AsUnsignedLong(args[6]);
+    if (code == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (layout > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "push_slot: layout does not fit a u32");
+        return NULL;
+    }
+    if (lease == 0 || lease >= LEASE_LIMIT || code >= N_ORDERINGS
+        || (args[7] != Py_None) != (code == EVENT_CODE)) {
+        PyErr_SetString(PyExc_ValueError, "push_slot: lease, ordering or event out of the slot's range");
+        return NULL;
+    }
+    memset(s, 0, SLOT_SIZE);
+    if (args[7] != Py_None) {
+        if (PyObject_GetBuffer(args[7], &ev, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (ev.len != EVENT_SIZE) {
+            PyBuffer_Release(&ev);
+            PyErr_SetString(PyExc_ValueError, "push_slot: an event is 64 bytes");
+            return NULL;
+        }
+        memcpy(s + 32, ev.buf, EVENT_SIZE);
+        PyBuffer_Release(&ev);
+        s[29] = 1;
+    }
+    uint64_t sq = sock_seq, ls = lease;
+    uint32_t lay = (uint32_t)layout;
+    memcpy(s + 8, &sq, 8);
+    memcpy(s + 16, &ls, 8);
+    memcpy(s + 24, &lay, 4);
+    s[28] = (unsigned char)code;
+    uint64_t *p = at(args[0], args[1], SLOT_SIZE, 1, &view);
+    if (p == NULL)
+        return NULL;
+    uint64_t *t = at(args[0], args[8], 8, 1, &tailv);
+    if (t == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint64_t *q = at(args[9], args[10], 8, 0, &peerv);
+    if (q == NULL) {
+        PyBuffer_Release(&tailv);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    memcpy((char *)p + 8, s + 8, SLOT_SIZE - 8);
+    __atomic_store_n(p, (uint64_t)seq, __ATOMIC_RELEASE);
+    __atomic_store_n(t, (uint64_t)seq, __ATOMIC_SEQ_CST);
+    uint64_t asleep = __atomic_load_n(q, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&peerv);
+    PyBuffer_Release(&tailv);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(asleep);
 }
 
 /* The address of a buffer exporter's first element (a NumPy array's data pointer): the sender's memo compares it
@@ -517,6 +697,14 @@ static PyMethodDef methods[] = {
      "of the u64 at peer[peer_off]: both checked before either is done."},
     {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL,
      "publish(buf, off, data): copy data[8:] to buf[off+8:], then release-store the u64 data[0:8] at buf[off]."},
+    {"read_slot", (PyCFunction)(void (*)(void))read_slot, METH_FASTCALL,
+     "read_slot(peer, off, seq, last_sock_seq, orderings) -> (sock_seq, lease, layout, ordering, event): one copy "
+     "of the ring slot at peer[off], checked (seq, sock_seq >= last_sock_seq, lease in [1, 2**53), the ordering "
+     "code and has_event); BadSlot(copied fields) where a check fails."},
+    {"push_slot", (PyCFunction)(void (*)(void))push_slot, METH_FASTCALL,
+     "push_slot(buf, off, seq, sock_seq, lease, layout, code, event, tail_off, peer, asleep_off) -> int: write a "
+     "ring slot at buf[off] (body, then seq release-stored), seq_cst-store seq at buf[tail_off], return the "
+     "seq_cst load of peer[asleep_off]; ValueError or OverflowError, nothing written, for a field out of range."},
     {"address", (PyCFunction)address, METH_O,
      "address(obj) -> int: the address of the first element of a buffer exporter (PyBUF_STRIDES: strided "
      "buffers too), as NumPy's ndarray.ctypes.data; BufferError (or TypeError) where it exports none."},
@@ -550,6 +738,15 @@ PyInit__atomic(void)
     Py_INCREF(&MappingType);
     if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0) {
         Py_DECREF(&MappingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    BadSlot = PyErr_NewExceptionWithDoc("dmabuf_interop._atomic.BadSlot",
+                                        "A ring slot that failed read_slot's checks; args[0]: its copied fields "
+                                        "(seq, sock_seq, lease, layout, code, has_event, event).",
+                                        PyExc_ValueError, NULL);
+    if (BadSlot == NULL || PyModule_AddObject(m, "BadSlot", Py_NewRef(BadSlot)) < 0
+        || PyModule_AddStringConstant(m, "SLOT_FORMAT", "<QQQIBB2x64s") < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -189,6 +189,46 @@ def test_atomic_checks_bounds_alignment_and_writability():
         _atomic.load(buf, 0)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sock_seq=st.integers(0, 2**64 - 1), lease=st.integers(1, LEASE_LIMIT - 1), layout=st.integers(0, 2**32 - 1),
+       code=st.integers(0, len(ORDERINGS) - 1), event=st.binary(min_size=64, max_size=64))
+def test_push_slot_and_read_slot_code_slots_as_the_slot_format_does(sock_seq, lease, layout, code, event):
+    """The ring's C coding of a slot is the spec's struct (SLOT), both ways."""
+    from dmabuf_interop import _atomic
+    from dmabuf_interop.channel._ring_region import EVENT_CODE, SLOT
+
+    assert _atomic.SLOT_FORMAT == SLOT.format and SLOT.size <= SLOT_BYTES
+    has = code == EVENT_CODE
+    mine, peer = bytearray(8 * 64), (3).to_bytes(8, "little")
+    mine_q = memoryview(mine).cast("Q")  # (a bytearray's buffer is 8-byte aligned in CPython; checked by at())
+    assert _atomic.push_slot(mine, 128, 7, sock_seq, lease, layout, code, event if has else None, 8, peer, 0) == 3
+    assert mine_q[1] == 7  # the tail
+    fields = SLOT.unpack_from(mine, 128)
+    assert fields == (7, sock_seq, lease, layout, code, has, event if has else bytes(64))
+    assert _atomic.read_slot(bytes(mine), 128, 7, sock_seq, ORDERINGS) == (
+        sock_seq, lease, layout, ORDERINGS[code], event if has else None)
+    # A copy that fails a check comes back whole, for the message.
+    for want, last in ((8, 0), (7, sock_seq + 1)):
+        if last >= 2**64:
+            continue
+        with pytest.raises(_atomic.BadSlot) as info:
+            _atomic.read_slot(bytes(mine), 128, want, last, ORDERINGS)
+        assert info.value.args == (7, sock_seq, lease, layout, code, has, event if has else bytes(64))
+    forged = bytearray(mine)
+    forged[128 + 28] = code ^ EVENT_CODE if code != 2 else 3  # ordering and has_event disagree, or no such code
+    with pytest.raises(_atomic.BadSlot):
+        _atomic.read_slot(bytes(forged), 128, 7, 0, ORDERINGS)
+    # Out of range: refused before anything is written.
+    for bad in ((0, layout, code), (LEASE_LIMIT, layout, code), (lease, layout, 3)):
+        with pytest.raises(ValueError):
+            _atomic.push_slot(mine, 256, 8, sock_seq, bad[0], bad[1], bad[2], event if has else None, 8, peer, 0)
+    with pytest.raises(ValueError):
+        _atomic.push_slot(mine, 256, 8, sock_seq, lease, layout, code, None if has else event, 8, peer, 0)
+    with pytest.raises(OverflowError):
+        _atomic.push_slot(mine, 256, 8, sock_seq, lease, 2**32, code, event if has else None, 8, peer, 0)
+    assert mine_q[1] == 7 and not any(mine[256:384])
+
+
 def test_atomic_address_is_numpys_data_pointer():
     import numpy as np
 
