@@ -478,6 +478,13 @@ class FrameReader:
         self._rest_deadline: float | None = None  # set while part of a message is here
         # The last read had to wait for the socket: the next polls first (see _recv).
         self._poll_first = False
+        #: True while something taken from the socket may be lost to an exception that a signal handler raises
+        #: (KeyboardInterrupt, between any two steps of Python): from just before each ``recvmsg`` until its bytes
+        #: and fds are in the buffer, and from the moment a message begins to leave the buffer on. Cleared here
+        #: after a read's bytes are stored, never after a message leaves: its caller clears it once it holds the
+        #: message or has handled it. A caller that must tell an interrupted wait (nothing taken) from an
+        #: interrupted hand-over reads it.
+        self.in_flight = False
         # Buffered fds are plain ints: a reader dropped without discard() still closes them.
         self._finalizer = weakref.finalize(self, FrameReader._close_all, self._fds)
 
@@ -543,6 +550,7 @@ class FrameReader:
         if self._poll_first or _timeout_mode(sock):
             # (A timeout leaves the mode as it is: the socket was empty.)
             waited = _wait_readable(sock, deadline, what)
+            self.in_flight = True  # (after the wait: an interrupt there takes nothing)
             data, flags = _recvmsg(sock, size, fds)
             if waited < _WAITED:
                 self._poll_first = False
@@ -550,10 +558,13 @@ class FrameReader:
                 self._poll_first = len(data) <= _HEADER.size + _HEADER.unpack_from(data)[0]
             return data, flags
         try:
+            self.in_flight = True
             return _recvmsg(sock, size, fds, _DONTWAIT)
         except BlockingIOError:
+            self.in_flight = False  # (nothing came)
             self._poll_first = True
             _wait_readable(sock, deadline, what)
+            self.in_flight = True
             return _recvmsg(sock, size, fds)
 
     def _fill(self, deadline: float | None, need: int) -> None:
@@ -591,10 +602,14 @@ class FrameReader:
                     mine, _ = self._fds.get(self._pos, ([], None))
                     err = err or ProtocolError("fds arrived after the first byte of a message; all were closed")
                     self._fds[self._pos] = (mine, err)
+                    self.in_flight = False
                     return
                 self._fds[at] = (fds, err)
-        except BaseException:
+            self.in_flight = False  # (the read is in the buffer, its fds in the table)
+        except BaseException as exc:
             close_fds(fds)
+            if isinstance(exc, Exception):
+                self.in_flight = False  # (an error, not an interrupt: it says itself what became of the read)
             raise
 
     def read(self, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
@@ -629,11 +644,14 @@ class FrameReader:
                 self._fill(wait, need - (len(self._buf) - self._pos))
         except BaseException as exc:
             # Only a message left part-read puts the stream out of step: a wait for one to begin that
-            # timed out or was interrupted (KeyboardInterrupt) leaves the connection as it was.
-            if self._pos < len(self._buf):
+            # timed out or was interrupted leaves the connection as it was. So does an interrupt (an exception
+            # a signal handler raised, KeyboardInterrupt, not an Exception) in the wait for the rest of one: what
+            # came of it stays in the buffer, and the next read goes on from there.
+            if self._pos < len(self._buf) and isinstance(exc, Exception):
                 _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
             raise
         start, end = span
+        self.in_flight = True  # (first: see __init__)
         self._rest_deadline = None
         fds, err = self._fds.pop(start, None) or ([], None)
         frame = self._buf[start:end]  # (a copy: the buffer is cleared or moved on below)

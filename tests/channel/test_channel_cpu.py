@@ -447,6 +447,32 @@ def test_consumer_sigkill_releases_its_leases_and_listener_serves_the_next(addr:
         assert json.loads(out)["good"] == 1, err
 
 
+def test_a_send_that_finds_the_peer_gone_raises_after_the_earlier_leases_completed(addr: str, pool: SharedPool) -> None:
+    """Once a send has raised PeerClosedError, every lease lent before it says how it ended: the caller may look
+    at ``reason`` at once (the reader thread completes them as it ends the connection, and the send waits for
+    that end, bounded). Sends go as fast as they can after the kill, so one lands while the end is under way."""
+    with listen(addr, pool=pool) as listener:
+        for i in range(10):
+            proc = start("consumer-hold", addr)
+            ch = listener.accept(30)
+            block = pool.empty(16, "int64")
+            block[:] = 1
+            lease = ch.send(block)
+            assert proc.stdout.readline().strip() == "held 16"
+            leases = [lease]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            deadline = time.monotonic() + 30
+            with pytest.raises(PeerClosedError):
+                while time.monotonic() < deadline:
+                    # A repeat through the ring (which does not see the death itself), or a copy by the socket.
+                    leases.append(ch.send(block if i % 2 else np.arange(3)))
+            assert [x.reason for x in leases] == ["disconnected"] * len(leases) and all(x.done for x in leases)
+            ch.close()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
 def test_producer_sigkill_held_block_stays_readable(addr: str) -> None:
     proc = start("producer-hold", addr)
     try:

@@ -14,6 +14,30 @@ from the first after the handshake (``_Conn.sock_next``); the next socket messag
 ``_Conn.ahead`` while slots before it are handled. Every wait is on the socket AND the ring's wake socket, with the
 ring's ``asleep`` flag set around it (:meth:`._ring.Rings.sleep_begin`), so the peer's death (the socket's
 hang-up) is still seen at once and a slot published while this end sleeps wakes it.
+
+Note [interrupted handling]. A signal handler that raises (``KeyboardInterrupt`` at Ctrl-C, in the main thread)
+may do so between any two steps of Python, and no step of handling a message can be undone: a chunk announced
+to the protocol state and not yet imported, a slot taken from the ring and not yet queued, an arrival taken
+(from the queue, or by the recv lane) that no :class:`~.received.Received` holds yet, whose lease nobody would
+ever release. So an exception that is not an ``Exception`` and lands in such a window ends the connection
+(a :class:`~..errors.LocalError` that names it is kept as the cause; the peer completes its leases as it sees
+the end) and goes on up to the caller: what was handled before stays as it was, and every later call on the
+channel says how it ended instead of failing on state that was left half made. One that lands while the
+channel waits (in ``poll``, the spin, a lock) leaves it as it was: nothing had been taken. The windows, each
+marked before its first step and cleared after its last (an interrupt at either edge ends a connection that
+did not need it, never the other way round):
+* bytes between ``recvmsg`` and the frame reader's buffer, and a message out of the buffer and not yet
+  handled nor kept in ``_Conn.ahead``: :attr:`.fdpass.FrameReader.in_flight`, read by :meth:`Reading._read_one`;
+* the handling of a socket message or a slot: :meth:`Reading._take` and :meth:`Reading._take_slot` catch it;
+* an arrival taken (from the queue, or by the recv lane) and no Received made yet: ``_Conn.taking``, the
+  thread's ident, read by :meth:`Reading._interrupted_taking`, which shuts the socket down (the next read turns
+  that into the end: the reader thread may hold the read lock);
+* releases taken from the peer's release ring and not yet counted: :func:`_ring_releases`.
+Those that hold the read lock end the connection at once; the others record the ``LocalError`` first, and from
+then on nothing more is handed out (:attr:`._state.ConnectionState.failed_here`: the peer takes back the blocks
+of what is queued as soon as it sees the end). A chunk reference or an fd that the interrupted step held may
+stay taken (a mapping, or an fd, until the process exits): counted twice, a reference would unmap memory a
+Received still uses.
 """
 
 from __future__ import annotations
@@ -111,6 +135,8 @@ class _Conn:
     release_waiters: int = 0  # threads waiting for a release of this end's leases (changed under ``state``)
     adaptive: Any = None  # the recv's AdaptiveSpin (spin "auto"), made at its first wait; the reading thread's
     state_lock: Any = None  # the RLock under ``state``, held directly on the paths every hand-off takes
+    settled: threading.Event = field(default_factory=threading.Event)  # set once the end has completed every lease
+    taking: int = 0  # the thread taking an arrival that no Received holds yet (Note [interrupted handling])
 
 
 def _poll_ms(deadline: float | None) -> int:
@@ -127,12 +153,26 @@ def _ring_releases(conn: _Conn) -> None:
     with conn.state_lock:
         if conn.proto.ended:
             return
-        ids = conn.rings.take_releases()
-        if not ids:
-            return
-        tokens = conn.proto.peer_released(ids).tokens
-    for lease in tokens:
-        lease._complete("released")
+        try:
+            ids = conn.rings.take_releases()
+            if not ids:
+                return
+            tokens = conn.proto.peer_released(ids).tokens
+        except BaseException as exc:  # a signal handler's, with ids maybe taken and not counted: the end
+            if not isinstance(exc, Exception):  # (Note [interrupted handling])
+                conn.proto.fail(LocalError(f"{type(exc).__name__} interrupted the taking of the peer's releases: "
+                                           f"the connection was ended"))
+                shut_down(conn.sock)
+            raise
+    done = 0
+    try:
+        for lease in tokens:
+            lease._complete("released")
+            done += 1
+    except BaseException:  # (an interrupt: the rest are completed still; _complete is idempotent)
+        for lease in tokens[done:]:
+            lease._complete("released")
+        raise
 
 
 class ReleaseWaits:
@@ -301,6 +341,13 @@ def _end_connection(conn: _Conn) -> None:
     """The connection is over: complete every lease, unmap idle chunks, wake waiters, close the socket and
     the fds of messages read and not handled. The caller reads the socket (holds ``read_lock``) or no one
     can (the channel was collected)."""
+    try:
+        _end_steps(conn)
+    finally:
+        conn.settled.set()  # (a send that raised for the end waits for it: Channel._settle)
+
+
+def _end_steps(conn: _Conn) -> None:
     link = conn.link
     released: tuple = ()
     link.acquire()
@@ -336,6 +383,8 @@ def _end_connection(conn: _Conn) -> None:
         lease._complete("released")
     for lease in leases:
         lease._complete("closed" if conn.proto.closed_here else "disconnected")
+    if conn.proto.failed_here and not conn.finish_here:
+        _drop_queue(conn)  # void (ConnectionState.failed_here); finish_here drops it below
     for chunk in list(conn.imports.values()):
         chunk.retire()  # stays mapped while a Received still uses it
     conn.imports.clear()
@@ -406,9 +455,12 @@ class Reading:
                 if not (self._reader is None and self._read_arrived()):
                     self._releases.flush()
             with self._state_lock:  # (the Condition's own lock: its wait below works under it)
+                if self._queue and self._proto.error is not None and self._proto.failed_here:
+                    _drop_queue(self._conn)  # void: the peer takes their blocks back at the end (failed_here)
                 if self._queue:
                     if self._queue[0].event.kind == "arrays" and not want_batch:
                         raise InvalidArgumentError("the next message is a send_many batch: use recv_many()")
+                    self._conn.taking = _get_ident()  # (before the pop: Note [interrupted handling])
                     got = self._queue.popleft()
                     if self._conn.parked:  # the reader waits for room (set under this lock)
                         # After the pop: the write lets the GIL go, and a reader woken before it would find the
@@ -457,7 +509,7 @@ class Reading:
         conn = self._conn
         rings = conn.rings
         if (rings is None or self._reader is not None or self._queue or self._releases.pending
-                or not rings.attached or self._owner != _forks.pid):
+                or not rings.attached or self._owner != _forks.pid or self._proto.error is not None):
             return None
         lock = self._read_lock
         if not lock.acquire(False):
@@ -545,6 +597,16 @@ class Reading:
         (:func:`_read_loop` takes it once there is room)."""
         if self._proto.ended:
             return True
+        try:
+            return self._read_step(deadline, spin)
+        except BaseException as exc:
+            # A signal handler's exception (KeyboardInterrupt) with a socket message out of the frame reader
+            # and not handled (nor kept in ahead): it may be lost. Note [interrupted handling].
+            if self._frames.in_flight and not isinstance(exc, Exception) and not self._proto.ended:
+                self._interrupted_here("socket", exc)
+            raise
+
+    def _read_step(self, deadline: float | None, spin: float | str) -> bool:
         conn = self._conn
         try:
             got = self._arrived(deadline, spin)  # (no remaining() and deadline_after() back per message)
@@ -576,9 +638,12 @@ class Reading:
             self._take_slot()
             return True
         msg, fds = got
+        frames = self._frames
+        frames.in_flight = True  # (from ahead until handled: Note [interrupted handling])
         conn.ahead = None
         conn.sock_next += 1
         self._take(msg, fds)
+        frames.in_flight = False
         return True
 
     def _arrived(self, deadline: float | None, spin: float | str) -> Any:
@@ -592,6 +657,7 @@ class Reading:
         if rings is None or not rings.attached:
             if conn.ahead is None:
                 conn.ahead = self._frames.read_by(deadline)
+                self._frames.in_flight = False  # (kept in ahead)
             return conn.ahead
         while True:
             seq = rings.peek_sock_seq()
@@ -607,6 +673,7 @@ class Reading:
                 # this end's socket already (AF_UNIX queues them there), unless the peer lied.
                 try:
                     conn.ahead = self._frames.read_by(_monotonic() + ORDER_WAIT)
+                    self._frames.in_flight = False  # (kept in ahead)
                 except WaitTimeoutError as exc:
                     if self._sock in _broken_recv:
                         raise
@@ -615,12 +682,14 @@ class Reading:
                 continue
             if self._frames.buffered():
                 conn.ahead = self._frames.read_by(deadline)
+                self._frames.in_flight = False  # (kept in ahead)
                 continue
             readable = self._wait_both(deadline, spin)
             if readable is None:
                 return None
             if readable:
                 conn.ahead = self._frames.read_by(deadline)
+                self._frames.in_flight = False  # (kept in ahead)
 
     def _wait_both(self, deadline: float | None, spin: float | str) -> bool | None:
         """Wait for the socket or the peer's ring: True once the socket is readable (or hung up), False when
@@ -695,6 +764,9 @@ class Reading:
         except Exception as exc:  # noqa: BLE001 - a message no check foresaw must still end the channel
             # Our failure, not the peer's: the message passed every check of the protocol.
             self._fail_here(msg.get("kind"), exc)
+        except BaseException as exc:  # a signal handler's (KeyboardInterrupt): Note [interrupted handling]
+            self._interrupted_here(msg.get("kind"), exc)
+            raise
         finally:
             if fds:
                 close_fds(fds)
@@ -702,6 +774,29 @@ class Reading:
     def _fail_here(self, kind: Any, exc: Exception) -> None:
         self._proto.fail(LocalError(f"this process failed on the peer's {kind!r} message: "
                                     f"{type(exc).__name__}: {exc}"))
+        self._end()
+
+    def _interrupted_taking(self, exc: BaseException) -> None:
+        """``recv`` raises ``exc`` with an arrival taken in this thread and no Received made for it: if ``exc`` is
+        not an ``Exception`` (a signal handler's), end the connection: shut the socket down, for the next read
+        to end it (Note [interrupted handling]); else the Received, made first, gives the lease back when it
+        is collected."""
+        conn = self._conn
+        if conn.taking != _get_ident():
+            return
+        conn.taking = 0
+        if isinstance(exc, Exception) or self._proto.ended:
+            return
+        with self._state:
+            self._proto.fail(LocalError(f"{type(exc).__name__} interrupted recv() as it took an array: the "
+                                        f"connection was ended"))
+        shut_down(self._sock)
+
+    def _interrupted_here(self, kind: Any, exc: BaseException) -> None:
+        """(Under the read lock.) ``exc``, raised by a signal handler, cut the handling of the peer's ``kind``
+        message short: end the connection (Note [interrupted handling])."""
+        self._proto.fail(LocalError(f"{type(exc).__name__} interrupted the handling of the peer's {kind!r} "
+                                    f"message: the connection was ended"))
         self._end()
 
     def _take_slot(self, take: bool = False) -> tuple[ArraysArrived, dict[int, Any]] | None:
@@ -715,6 +810,8 @@ class Reading:
         the slot to the queue; no record made for the slot, no loop over a socket message's events (a repeat's
         are its arrival alone)."""
         try:
+            if take:
+                self._conn.taking = _get_ident()  # (before the slot is taken: Note [interrupted handling])
             _, lease, layout, ordering, event = self._conn.rings.take_fields()
             with self._state_lock:  # (the Condition's own lock: notify_all in _queue_arrivals works under it)
                 events = self._proto.receive_slot(lease, layout, ordering,
@@ -728,6 +825,9 @@ class Reading:
             self._end()
         except Exception as exc:  # noqa: BLE001 - as in _take
             self._fail_here("repeat", exc)
+        except BaseException as exc:  # as in _take
+            self._interrupted_here("repeat", exc)
+            raise
         return None
 
     def _retain_chunks(self, ev: ArraysArrived) -> dict[int, Any]:

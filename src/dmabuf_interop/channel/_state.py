@@ -298,6 +298,16 @@ class ConnectionState:
         self._held.clear()
         return tokens
 
+    @property
+    def failed_here(self) -> bool:
+        """An error seen here (the peer broke the protocol, or this process failed) ends, or has ended, the
+        connection, which this end did not close. The peer completes its leases as it sees the end and may
+        write its blocks again at once, so the arrays it lent that this end has not handed out yet are void:
+        the I/O side drops them rather than deliver them."""
+        err = self.error
+        return (err is not None and not self.closed_here
+                and self._reason_for(err) in (EndReason.PROTOCOL_ERROR, EndReason.LOCAL_ERROR))
+
     def _reason_for(self, err: BaseException | None) -> EndReason:
         if self.closed_here:
             return EndReason.CLOSED

@@ -243,4 +243,8 @@ class ChunkRef:
         self.chunk = chunk
 
     def __del__(self) -> None:
-        self.chunk.release()
+        try:
+            chunk = self.chunk
+        except AttributeError:  # __init__ cut short by an interrupt: the reference, if taken, stays taken (the
+            return  # mapping stays): Note [interrupted handling], in ._reader
+        chunk.release()

@@ -130,7 +130,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import _forks
 from .._time import check_timeout, deadline_after, remaining
-from ..errors import DmaBufError, InvalidArgumentError
+from ..errors import ClosedError, DmaBufError, InvalidArgumentError, PeerClosedError
 from ._autopool import Membership, join
 from ._carrier import FdCarrier, mechanism_for
 from ._lending import Lending
@@ -150,7 +150,7 @@ from .sending import MemoTable, batch_items, stream_handle
 from .wire import frame_reader, shut_down
 
 __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_for", "release_all", "MAX_CHUNKS",
-           "MAX_QUEUED", "MAX_SPIN", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP", "check_spin"]
+           "MAX_QUEUED", "MAX_SPIN", "RELEASE_BATCH", "RELEASE_DELAY", "RELEASE_GAP", "SETTLE_TIMEOUT", "check_spin"]
 
 #: The most array messages a channel keeps received and not yet taken by ``recv``/``recv_many`` (the
 #: default of :attr:`Channel.max_queued`). Beyond it the reader takes no more arrays from the socket, so
@@ -158,6 +158,9 @@ __all__ = ["Channel", "Lease", "Received", "PeerInfo", "as_tensors", "mechanism_
 MAX_QUEUED = 1024
 #: The longest :attr:`Channel.spin`, seconds (a spin is a busy wait: longer is a sleep's job).
 MAX_SPIN = 1.0
+#: The longest a ``send`` that found the connection ended waits for the leases lent before it to be completed
+#: (by the thread that ends the connection) before it raises, seconds.
+SETTLE_TIMEOUT = 2.0
 
 
 def check_spin(value: Any) -> float | str:
@@ -378,15 +381,21 @@ class Channel(Lending, Reading):
             ForkedResourceError: this process inherited the channel through ``fork()``.
             PoolExhaustedError: no room within ``timeout``.
             PeerClosedError: the peer has gone, or the message was cut off part-way by a peer that
-                stopped reading (the connection is then ended, and the peer sees its end).
+                stopped reading (the connection is then ended, and the peer sees its end). Every lease lent
+                before is done by then, with its ``reason`` (the send waits up to :data:`SETTLE_TIMEOUT` for the
+                thread that ends the connection to complete them).
             WaitTimeoutError: the peer took nothing of the message within ``timeout`` (or
                 :data:`SEND_TIMEOUT`): none of it went out, the channel is as it was.
         """
-        if meta is None and stream is None and ordering is None:
-            lease = self._send_ready(array, timeout)  # the steady state: an array lent again, into the ring
-            if lease is not None:
-                return lease
-        return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
+        try:
+            if meta is None and stream is None and ordering is None:
+                lease = self._send_ready(array, timeout)  # the steady state: an array lent again, into the ring
+                if lease is not None:
+                    return lease
+            return self._send_items([None], [array], stream, meta, timeout, ordering, batch=None)
+        except (PeerClosedError, ClosedError):
+            self._settle()
+            raise
 
     def send_many(self, arrays: Mapping[str, Any] | Sequence[Any], *, stream: Any = None,
                   meta: dict[str, Any] | None = None, timeout: float | None = 10.0,
@@ -402,7 +411,19 @@ class Channel(Lending, Reading):
                 most 4096 characters): the peer would refuse the message and end the channel.
         """
         names, arrs, kind = batch_items(arrays)
-        return self._send_items(names, arrs, stream, meta, timeout, ordering, batch=kind)
+        try:
+            return self._send_items(names, arrs, stream, meta, timeout, ordering, batch=kind)
+        except (PeerClosedError, ClosedError):
+            self._settle()
+            raise
+
+    def _settle(self) -> None:
+        """A send found the connection ended (or ending): wait, at most :data:`SETTLE_TIMEOUT`, until whoever ends
+        it (the reader thread, a ``recv``, a ``close``) has completed every lease, so that the caller who catches
+        the error finds each lease lent before it done, with its ``reason``. Nothing to wait for while nothing
+        is lent and the end has not begun."""
+        if self._proto.ended or self._proto.lent:
+            self._conn.settled.wait(SETTLE_TIMEOUT)
 
     @property
     def outstanding(self) -> int:
@@ -437,13 +458,19 @@ class Channel(Lending, Reading):
         h = 0 if stream is None else stream_handle(stream)  # before the message is taken: a bad stream must not lose it
         spin = self._spin if spin is None else check_spin(spin)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
-        got = self._recv_ready(deadline, spin)  # the steady state: one array's slot, taken as it lands
-        if got is None:
-            q = self._next(timeout, False, spin, deadline)
-            ev, chunks = q.event, q.chunks
-        else:
-            ev, chunks = got
-        return self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, chunks)[0]
+        try:
+            got = self._recv_ready(deadline, spin)  # the steady state: one array's slot, taken as it lands
+            if got is None:
+                q = self._next(timeout, False, spin, deadline)
+                ev, chunks = q.event, q.chunks
+            else:
+                ev, chunks = got
+            out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, chunks)[0]
+        except BaseException as exc:
+            self._interrupted_taking(exc)  # (Note [interrupted handling], in ._reader)
+            raise
+        self._conn.taking = 0
+        return out
 
     def recv_many(self, timeout: float | None = 60.0, *, stream: Any = None,
                   spin: float | str | None = None) -> dict[str, Received] | list[Received]:
@@ -453,9 +480,14 @@ class Channel(Lending, Reading):
         Raises: as :meth:`recv`.
         """
         h = stream_handle(stream)  # before the message is taken: a bad stream must not lose it
-        q = self._next(timeout, True, self._spin if spin is None else check_spin(spin))
-        ev = q.event
-        out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)
+        try:
+            q = self._next(timeout, True, self._spin if spin is None else check_spin(spin))
+            ev = q.event
+            out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)
+        except BaseException as exc:
+            self._interrupted_taking(exc)  # (Note [interrupted handling], in ._reader)
+            raise
+        self._conn.taking = 0
         if len(out) > 1 and out[0].device >= 0:
             views = BatchViews(q.views if self._carrier.views_follow_layout else None)
             for r in out:

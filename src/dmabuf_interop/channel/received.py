@@ -108,7 +108,11 @@ class Hold:
         synchronisation; the flusher thread sends the release, nothing blocks here): for an owner that
         is collected while views of the items outlive it. As ``__del__``: collected with items unreleased
         (possibly inside the garbage collector)."""
-        if self.alive:
+        try:
+            alive = self.alive
+        except AttributeError:  # __init__ cut short before its first line (a KeyboardInterrupt): nothing was taken
+            return
+        if alive:
             self.alive = False
             if sys.is_finalizing():
                 # Interpreter exit (a Received held by an uncaught exception's traceback, say): the channel's

@@ -99,8 +99,13 @@ class RemoteChannel(Channel):
             TransferError: NIXL could not register ``out`` or read.
             ProtocolError: as :meth:`recv`; the next message is a batch: use :meth:`recv_many`.
         """
-        q = self._next(timeout, want_batch=False)
-        lease_id, d = q.event.lease, q.event.descs[0]
+        try:
+            q = self._next(timeout, want_batch=False)
+            lease_id, d = q.event.lease, q.event.descs[0]
+        except BaseException as exc:
+            self._interrupted_taking(exc)  # (Note [interrupted handling], in .._reader)
+            raise
+        self._conn.taking = 0
         nixl = self._nixl
         try:
             dst = inspect_array(out)
