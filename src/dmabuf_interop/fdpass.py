@@ -240,11 +240,16 @@ def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline:
     view = memoryview(data)
     pending_fd = fds or None
     poll_first = _timeout_mode(sock)
+    # From a send call until its count is taken: bytes may have left that ``view`` does not show yet. An
+    # exception a signal handler raises there (KeyboardInterrupt, right after the call returns) leaves the
+    # stream in an unknown step, as a message cut off does.
+    in_flight = False
     try:
         while view:
             if poll_first:
                 _wait_writable(sock, deadline)
             try:  # a socket with room costs one send, no poll
+                in_flight = True
                 if pending_fd is not None:
                     rights = array.array("i", pending_fd)
                     sent = sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
@@ -253,14 +258,17 @@ def _send_all(sock: socket.socket, data: bytes, fds: list[int] | None, deadline:
                 else:
                     sent = sock.send(view, _SEND_FLAGS)
             except BlockingIOError:
+                in_flight = False  # (nothing left)
                 _wait_writable(sock, deadline)
                 continue
             view = view[sent:]
+            in_flight = False
             if view and rest_timeout is not None:  # begun: the rest has its own time
                 deadline, rest_timeout = _deadline(rest_timeout), None
     except BaseException as exc:
-        if len(view) < len(data) and _type(sock) == _STREAM:
-            _broken_send[sock] = f"{len(data) - len(view)} of {len(data)} bytes sent, then {exc}"
+        if (len(view) < len(data) or (in_flight and not isinstance(exc, Exception))) and _type(sock) == _STREAM:
+            _broken_send[sock] = (f"{len(data) - len(view)} of {len(data)} bytes sent, then {exc}" if not in_flight
+                                  else f"{type(exc).__name__} right after a send of {len(view)} bytes")
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
             raise PeerClosedError(f"peer closed the socket while sending: {exc}") from exc
         if isinstance(exc, OSError) and not isinstance(exc, DmaBufError):

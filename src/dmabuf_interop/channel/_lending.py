@@ -36,13 +36,13 @@ from typing import Any
 
 from .. import _forks
 from .._time import deadline_after
-from ..errors import ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, ProtocolError
+from ..errors import ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, LocalError, ProtocolError
 from ._reader import _ring_releases
 from ._ring_region import LEASE_LIMIT
 from .lease import Lease, next_lease_id
 from .pool import Block
 from .sending import Memo, Placed, check_meta, order_writes, prepare, stream_handle, wire_descs
-from .wire import encode_repeat
+from .wire import encode_repeat, shut_down
 
 __all__ = ["Lending"]
 
@@ -67,9 +67,17 @@ class Lending:
                 if not self._proto.can_announce():  # the peer would refuse it and end the connection
                     raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
                                                f"at once (MAX_CHUNKS): send from fewer, larger chunks")
-                with self._carrier.announce(block) as (msg, fds):
-                    link.send_locked(msg, fds, timeout=link.wait_for(deadline))
-                self._proto.chunk_announced(chunk.id)
+                link.unsent = 0
+                try:
+                    with self._carrier.announce(block) as (msg, fds):
+                        link.send_locked(msg, fds, timeout=link.wait_for(deadline))
+                    self._proto.chunk_announced(chunk.id)
+                except BaseException as exc:
+                    # An interrupt after the message may have gone out, before it was counted: a second
+                    # announcement of the chunk would break the protocol. The end (Note [interrupted handling]).
+                    if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+                        self._end_unrecorded(exc)
+                    raise
         finally:
             link.release()
         block.pool._register_channel(self)
@@ -130,20 +138,25 @@ class Lending:
             lease_id = next_lease_id()
             link = self._link
             self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
+            pushing = False
             try:
                 link.acquire_by(deadline)
                 try:
                     with self._state_lock:
+                        pushing = True  # (from here to the record the slot may be out: see the except below)
                         # Load-bearing: the slot goes out before the lease is made and recorded, so the peer's work
                         # begins that much sooner; its release is taken under this lock, so only after the record.
                         if self._memos.is_current(memo) and self._push(lease_id, memo.layout, order,
                                                                        None if event is None else event[1]):
                             lease = Lease(lease_id, memo.blocks, event, events, self._waits)
                             self._proto.lend(lease_id, lease)
+                        pushing = False
                 finally:
                     link.release()
-            except BaseException:
-                if lease is None:  # (nothing lent: the reference and the event go back)
+            except BaseException as exc:
+                if pushing and not isinstance(exc, Exception):  # an interrupt: the slot may be out, unrecorded
+                    self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
+                elif lease is None:  # (nothing lent: the reference and the event go back)
                     memo.by_pool[0][0]._unref_many(memo.blocks)
                     if event is not None:
                         events.give(event)
@@ -211,18 +224,24 @@ class Lending:
             self._proto.lend(lease.id, lease)
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         raw = None if event is None else event[1]
+        link = self._link
+        link.unsent = 0
         try:
             if not (memo is not None and meta is None and self._push_again(lease.id, memo, order, raw, deadline)):
                 ev64 = base64.b64encode(raw).decode() if raw is not None else None
                 if batch is None and memo is None:  # copied into a new block: nothing to repeat, no layout
-                    link = self._link
                     wait = link.wait_for(deadline)
                     link.send({"kind": "array", "lease": lease.id,
                                "desc": wire_descs(placed, order, ev64, meta)[0]}, timeout=wait)
                 else:
                     self._send_batch(lease.id, placed, None if batch is None else batch == "mapping", order, ev64,
                                      meta, memo, deadline, raw)
-        except BaseException:
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+                # A signal handler's exception (KeyboardInterrupt) where the message may have gone out: the lease
+                # stays lent, and the connection ends (Note [interrupted handling], in ._reader).
+                self._end_unrecorded(exc)
+                raise
             with self._state:
                 self._proto.unlend(lease.id)
             lease._complete("closed")
@@ -231,6 +250,16 @@ class Lending:
             if self._reader is None:  # (the end of a connection a failed send broke is seen by it too)
                 self._reader_after_send()
         return lease
+
+    def _end_unrecorded(self, exc: BaseException) -> None:
+        """``exc`` cut a send short where its slot or message may have gone out without the lease recorded (or
+        with it recorded and about to be given up): a release of it would then be a forged one to this end, and
+        its block could be written again while the peer reads it. End the connection: keep a ``LocalError``
+        naming ``exc`` as the cause, and shut the socket down (the reader ends it; every lease completes then)."""
+        with self._state:  # (send_failed: nothing more goes out, so the next send says how the connection ended)
+            self._proto.send_failed(LocalError(f"{type(exc).__name__} cut a send short after its message may have "
+                                               f"gone out: the connection was ended"))
+        shut_down(self._sock)
 
     def _reader_after_send(self) -> None:
         """Start the background reader after the channel's first message (from :meth:`_lend_out`): the release
@@ -297,22 +326,30 @@ class Lending:
                 link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
+            link.unsent = 0
             try:
-                if mapping is None:
-                    link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
-                                     timeout=link.wait_for(deadline))
-                else:
-                    link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
-                                      "layout": choice.id}, timeout=link.wait_for(deadline))
-            except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
-                if isinstance(exc, ClosedError):
-                    raise
-                raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
-            gone = self._proto.layout_sent(choice)  # first in, first out: the peer forgets the same one
-            if memo is not None:
-                self._memos.remember(memo, choice.id)
-            if gone is not None:
-                self._memos.forget_layout(gone)
+                try:
+                    if mapping is None:
+                        link.send_locked({"kind": "array", "lease": lease_id, "desc": descs[0], "layout": choice.id},
+                                         timeout=link.wait_for(deadline))
+                    else:
+                        link.send_locked({"kind": "arrays", "lease": lease_id, "items": descs, "mapping": mapping,
+                                          "layout": choice.id}, timeout=link.wait_for(deadline))
+                except InvalidArgumentError as exc:  # over MAX_FRAME: nothing was sent
+                    if isinstance(exc, ClosedError):
+                        raise
+                    raise InvalidArgumentError(f"{exc}: send the batch as several send_many calls") from exc
+                gone = self._proto.layout_sent(choice)  # first in, first out: the peer forgets the same one
+                if memo is not None:
+                    self._memos.remember(memo, choice.id)
+                if gone is not None:
+                    self._memos.forget_layout(gone)
+            except BaseException as exc:
+                # An interrupt after the definition may have gone out, before it was counted: the next one would
+                # define the same id again. The end (Note [interrupted handling], in ._reader).
+                if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+                    self._end_unrecorded(exc)
+                raise
         finally:
             link.release()
 

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..errors import ClosedError, DmaBufError, PeerClosedError, WaitTimeoutError
+from ..errors import ClosedError, DmaBufError, LocalError, PeerClosedError, WaitTimeoutError
 from ..fdpass import _broken_send, send_message
 from ._state import ConnectionState
 from .wire import frame_kind, send_frame, shut_down
@@ -49,6 +49,10 @@ class Link:
         self.lock = threading.Lock()
         self.owner = 0
         self.sent = 0  # messages gone out whole (changed under the lock)
+        # id() of the last exception send_locked raised with nothing of its message gone out (the connection as it
+        # was): a caller that catches an interrupt tells one in the wait from one after the message left. An id,
+        # not the exception: its traceback would hold the sender's frames (its arrays, their chunks).
+        self.unsent = 0
         self.due: collections.deque[Callable[[], None]] = collections.deque()  # :meth:`defer`'s jobs not yet run
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -65,9 +69,13 @@ class Link:
             WaitTimeoutError: another thread's send held it past that.
         """
         lock = self.lock
-        if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
-            self.owner = _get_ident()
-            return
+        try:
+            if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
+                self.owner = _get_ident()
+                return
+        except BaseException as exc:  # an interrupt in the wait: nothing sent (see unsent)
+            self.unsent = id(exc)
+            raise
         raise WaitTimeoutError("another thread's send held the connection past the timeout")
 
     def try_acquire(self) -> bool:
@@ -132,7 +140,12 @@ class Link:
 
         Raises: as :meth:`send_locked`; WaitTimeoutError: another thread's send held the lock past ``timeout``.
         """
-        if not self.acquire(timeout):
+        try:
+            got = self.acquire(timeout)
+        except BaseException as exc:  # an interrupt in the wait: nothing sent (see unsent)
+            self.unsent = id(exc)
+            raise
+        if not got:
             raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
         try:
             self.send_locked(obj, fd, timeout, essential=essential)
@@ -169,12 +182,15 @@ class Link:
             if not (cut or (essential and isinstance(exc, WaitTimeoutError))):
                 if self.proto.closed_here and isinstance(exc, DmaBufError):
                     raise ClosedError("this end closed the channel while the message was going out") from exc
+                self.unsent = id(exc)  # (an interrupt too: the caller may tell it from one after the message left)
                 raise  # nothing of the message went out: the connection is as it was
             # Cut off after its first byte (a peer that stopped reading, or an interrupt), the stream
             # is out of step for good; or an essential message could not go. End it: the peer sees the
             # end at once, our reader ends the channel. Kept without its traceback (a copy): that would
             # hold the sender's frames, and with them its arrays and their pool chunks.
-            self.proto.send_failed(copy.copy(exc))
+            # (An interrupt is kept as a LocalError naming it: a copy of a KeyboardInterrupt says nothing.)
+            self.proto.send_failed(copy.copy(exc) if isinstance(exc, Exception) else LocalError(
+                f"{type(exc).__name__} cut off a {frame_kind(obj)!r} message to the peer: the connection was ended"))
             shut_down(self.sock)  # (we hold the send lock, under which _end closes the socket)
             if not isinstance(exc, DmaBufError):
                 raise  # (KeyboardInterrupt and the like stay what they are)

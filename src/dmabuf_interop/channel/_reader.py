@@ -32,12 +32,21 @@ did not need it, never the other way round):
 * an arrival taken (from the queue, or by the recv lane) and no Received made yet: ``_Conn.taking``, the
   thread's ident, read by :meth:`Reading._interrupted_taking`, which shuts the socket down (the next read turns
   that into the end: the reader thread may hold the read lock);
-* releases taken from the peer's release ring and not yet counted: :func:`_ring_releases`.
+* releases taken from the peer's release ring and not yet counted: :func:`_ring_releases` (counted ones are
+  completed still, as is a lease whose completion was claimed: :meth:`.lease.Lease._complete`);
+* on the lending side, a slot or a message that may have gone out before its lease, chunk or layout was
+  recorded (:meth:`._lending.Lending._lend_again`, ``_lend_out``, ``_announce``, ``_send_batch``: they end it by
+  :meth:`._lending.Lending._end_unrecorded`), and bytes that may have left by a send call whose count was not
+  taken (:func:`.fdpass._send_all` marks the socket out of step); an interrupt in the wait for the send lock or
+  for room before any byte left (:attr:`._link.Link.unsent`) leaves the channel as it was;
+* a release forgotten here and not yet out (:class:`._releases.ReleaseQueue`).
 Those that hold the read lock end the connection at once; the others record the ``LocalError`` first, and from
 then on nothing more is handed out (:attr:`._state.ConnectionState.failed_here`: the peer takes back the blocks
-of what is queued as soon as it sees the end). A chunk reference or an fd that the interrupted step held may
-stay taken (a mapping, or an fd, until the process exits): counted twice, a reference would unmap memory a
-Received still uses.
+of what is queued as soon as it sees the end). What is left: a chunk reference or an fd that the interrupted step
+held may stay taken (a mapping, or an fd, until the process exits: counted twice, a reference would unmap memory
+a Received still uses), and a few steps inside the completion of a lease and the pool's accounting, where an
+interrupt can leave a lease out for good (its ``wait`` then times out). An interrupt in a send's wait for room
+after part of its message left ends the connection (the stream is out of step), as a cut-off send does.
 """
 
 from __future__ import annotations
@@ -150,28 +159,28 @@ def _poll_ms(deadline: float | None) -> int:
 def _ring_releases(conn: _Conn) -> None:
     """Complete the leases the peer released through its release ring (under the state lock: the reader and
     the senders take them). Raises ProtocolError for an id not lent, or a ring out of step."""
-    with conn.state_lock:
-        if conn.proto.ended:
-            return
-        try:
+    tokens = None
+    done = 0
+    try:
+        with conn.state_lock:
+            if conn.proto.ended:
+                return
             ids = conn.rings.take_releases()
             if not ids:
                 return
             tokens = conn.proto.peer_released(ids).tokens
-        except BaseException as exc:  # a signal handler's, with ids maybe taken and not counted: the end
-            if not isinstance(exc, Exception):  # (Note [interrupted handling])
-                conn.proto.fail(LocalError(f"{type(exc).__name__} interrupted the taking of the peer's releases: "
-                                           f"the connection was ended"))
-                shut_down(conn.sock)
-            raise
-    done = 0
-    try:
         for lease in tokens:
             lease._complete("released")
             done += 1
-    except BaseException:  # (an interrupt: the rest are completed still; _complete is idempotent)
-        for lease in tokens[done:]:
-            lease._complete("released")
+    except BaseException as exc:  # (Note [interrupted handling])
+        if tokens is not None:  # counted: the rest are completed still (_complete is idempotent)
+            for lease in tokens[done:]:
+                lease._complete("released")
+        elif not isinstance(exc, Exception):  # a signal handler's, with ids maybe taken and not counted: the end
+            with conn.state_lock:
+                conn.proto.fail(LocalError(f"{type(exc).__name__} interrupted the taking of the peer's releases: "
+                                           f"the connection was ended"))
+            shut_down(conn.sock)
         raise
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DmaBufError, ProtocolError
+from ..errors import DmaBufError, LocalError, ProtocolError
 from ._ring import LEASE_LIMIT
 from .wire import encode_release, shut_down
 
@@ -67,18 +67,22 @@ class ReleaseQueue:
         with self._lock:
             if not self._proto.released(lease_id):
                 return  # over: the peer completes every lease itself
-            rings = self._rings
-            if rings is not None and not self.pending and rings.attached and lease_id < LEASE_LIMIT:
-                try:
-                    if not rings.push_releases([lease_id]):
-                        return  # in the release ring (under the state lock: one writer at a time)
-                except ProtocolError as exc:  # the peer's rel_head is out of step: end the connection
-                    self._proto.fail(exc)
-                    shut_down(self._link.sock)  # (the reader sees it and ends the connection; no send here)
-                    return
-                except (DmaBufError, OSError):
-                    pass  # (the wake-up's send failed): by the socket, as below
-            self.pending.append(lease_id)
+            try:
+                rings = self._rings
+                if rings is not None and not self.pending and rings.attached and lease_id < LEASE_LIMIT:
+                    try:
+                        if not rings.push_releases([lease_id]):
+                            return  # in the release ring (under the state lock: one writer at a time)
+                    except ProtocolError as exc:  # the peer's rel_head is out of step: end the connection
+                        self._proto.fail(exc)
+                        shut_down(self._link.sock)  # (the reader sees it and ends the connection; no send here)
+                        return
+                    except (DmaBufError, OSError):
+                        pass  # (the wake-up's send failed): by the socket, as below
+                self.pending.append(lease_id)
+            except BaseException as exc:  # an interrupt with the release forgotten here and maybe not out
+                self._interrupted(exc)
+                raise
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
         # Non-blocking: while another thread sends, the flusher takes this one.
@@ -103,14 +107,30 @@ class ReleaseQueue:
             if ids:
                 self._last_flush = time.monotonic()
         if ids:
-            msg = encode_release(ids)
+            link = self._link
             try:
+                msg = encode_release(ids)
+                link.unsent = 0
                 if send_lock_held:
-                    self._link.send_locked(msg, timeout=timeout, essential=True)
+                    link.send_locked(msg, timeout=timeout, essential=True)
                 else:
-                    self._link.send(msg, essential=True)
+                    link.send(msg, essential=True)
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
+            except BaseException as exc:
+                if id(exc) == link.unsent:  # an interrupt in the wait, nothing sent: they go with the next flush
+                    with self._cond:
+                        self.pending[:0] = ids
+                else:
+                    self._interrupted(exc)
+                raise
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """``exc`` (an interrupt, KeyboardInterrupt, or a failure no check foresaw) came between a release
+        forgotten here and its going out: the peer would hold the lease for good. End the connection (the peer
+        completes every lease); Note [interrupted handling], in :mod:`._reader`."""
+        self._proto.fail(LocalError(f"{type(exc).__name__} cut a release short: the connection was ended"))
+        shut_down(self._link.sock)
 
     def wake(self) -> None:
         """Wake the flusher (it exits once the connection is over)."""

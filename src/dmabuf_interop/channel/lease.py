@@ -130,6 +130,14 @@ class Lease:
             self._once.pop()
         except IndexError:
             return
+        except BaseException:
+            # An exception a signal handler raised as the pop returned (the only place it can come from here):
+            # the claim is this thread's, so the lease is completed still (Note [interrupted handling], in ._reader).
+            self._finish(reason)
+            raise
+        self._finish(reason)
+
+    def _finish(self, reason: str) -> None:
         self.reason = reason
         try:
             blocks = self._blocks
