@@ -653,9 +653,10 @@ class FrameReader:
         except BaseException as exc:
             # Only a message left part-read puts the stream out of step: a wait for one to begin that
             # timed out or was interrupted leaves the connection as it was. So does an interrupt (an exception
-            # a signal handler raised, KeyboardInterrupt, not an Exception) in the wait for the rest of one: what
-            # came of it stays in the buffer, and the next read goes on from there.
-            if self._pos < len(self._buf) and isinstance(exc, Exception):
+            # a signal handler raised, KeyboardInterrupt, not an Exception) in the wait for the rest of one, to a
+            # reader that lives on (a channel's): what came of it stays in its buffer, and its next read goes on
+            # from there. A reader of one message (``bufsize`` 0: recv_message's) dies with what it read.
+            if self._pos < len(self._buf) and (isinstance(exc, Exception) or not self.bufsize):
                 _broken_recv[sock] = f"{type(exc).__name__}: {exc}"
             raise
         start, end = span

@@ -182,6 +182,39 @@ def test_an_interrupted_wait_for_a_message_leaves_the_connection_usable(pair):
     assert r.read(5) == ({"hello": 1}, [])
 
 
+def test_an_interrupt_in_the_wait_for_the_rest_of_a_message(pair):
+    """A reader that lives on keeps what came and goes on from there; recv_message, whose reader dies with what it
+    read, marks the socket out of step (its next call raises instead of reading from the middle of a frame)."""
+    import signal
+
+    a, b = pair
+    frame = encode_message({"first": "x" * 40})
+    second = encode_message({"second": 2})
+
+    def handler(*_):
+        raise KeyboardInterrupt  # (not an Exception, as a signal handler's is)
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        r = _reader(b)
+        a.sendall(frame[:10])  # the header and a few bytes of the body
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            r.read(5)
+        a.sendall(frame[10:] + second)
+        assert r.read(5) == ({"first": "x" * 40}, []) and r.read(5) == ({"second": 2}, [])
+        a.sendall(frame[:10])
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            recv_message(b, timeout=5, max_fds=0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    a.sendall(frame[10:] + second)
+    with pytest.raises(errors.ProtocolError, match="out of step|cut off"):
+        recv_message(b, timeout=5, max_fds=0)
+
+
 def test_fds_truncated_at_the_fd_limit_fail_their_own_message_only(pair):
     """A, then B with 3 fds, then C, read by a process with room for one more fd: A arrives, B raises
     FdLimitError (the fd that came is closed), C arrives, as with recv_message."""

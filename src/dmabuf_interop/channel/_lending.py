@@ -67,7 +67,7 @@ class Lending:
                 if not self._proto.can_announce():  # the peer would refuse it and end the connection
                     raise InvalidArgumentError(f"the peer maps at most {self._proto.max_chunks} chunks of this end "
                                                f"at once (MAX_CHUNKS): send from fewer, larger chunks")
-                link.unsent = 0
+                link.clear_unsent()
                 try:
                     with self._carrier.announce(block) as (msg, fds):
                         link.send_locked(msg, fds, timeout=link.wait_for(deadline))
@@ -75,7 +75,7 @@ class Lending:
                 except BaseException as exc:
                     # An interrupt after the message may have gone out, before it was counted: a second
                     # announcement of the chunk would break the protocol. The end (Note [interrupted handling]).
-                    if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+                    if not (isinstance(exc, Exception) or link.was_unsent(exc)):
                         self._end_unrecorded(exc)
                     raise
         finally:
@@ -225,7 +225,7 @@ class Lending:
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         raw = None if event is None else event[1]
         link = self._link
-        link.unsent = 0
+        link.clear_unsent()
         try:
             if not (memo is not None and meta is None and self._push_again(lease.id, memo, order, raw, deadline)):
                 ev64 = base64.b64encode(raw).decode() if raw is not None else None
@@ -237,7 +237,7 @@ class Lending:
                     self._send_batch(lease.id, placed, None if batch is None else batch == "mapping", order, ev64,
                                      meta, memo, deadline, raw)
         except BaseException as exc:
-            if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+            if not (isinstance(exc, Exception) or link.was_unsent(exc)):
                 # A signal handler's exception (KeyboardInterrupt) where the message may have gone out: the lease
                 # stays lent, and the connection ends (Note [interrupted handling], in ._reader).
                 self._end_unrecorded(exc)
@@ -326,7 +326,7 @@ class Lending:
                 link.send_locked(encode_repeat(lease_id, choice.id, order, ev64, meta), timeout=link.wait_for(deadline))
                 return
             descs = wire_descs(placed, order, ev64, meta)
-            link.unsent = 0
+            link.clear_unsent()
             try:
                 try:
                     if mapping is None:
@@ -347,7 +347,7 @@ class Lending:
             except BaseException as exc:
                 # An interrupt after the definition may have gone out, before it was counted: the next one would
                 # define the same id again. The end (Note [interrupted handling], in ._reader).
-                if not (isinstance(exc, Exception) or id(exc) == link.unsent):
+                if not (isinstance(exc, Exception) or link.was_unsent(exc)):
                     self._end_unrecorded(exc)
                 raise
         finally:

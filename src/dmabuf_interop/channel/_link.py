@@ -49,10 +49,11 @@ class Link:
         self.lock = threading.Lock()
         self.owner = 0
         self.sent = 0  # messages gone out whole (changed under the lock)
-        # id() of the last exception send_locked raised with nothing of its message gone out (the connection as it
-        # was): a caller that catches an interrupt tells one in the wait from one after the message left. An id,
-        # not the exception: its traceback would hold the sender's frames (its arrays, their chunks).
-        self.unsent = 0
+        # Per thread, id() of the last exception a send raised with nothing of its message gone out (the connection
+        # as it was): a caller that catches an interrupt tells one in the wait from one after the message left
+        # (clear_unsent, then was_unsent). An id, not the exception: its traceback would hold the sender's frames
+        # (its arrays, their chunks); per thread, so that another thread's send neither clears nor fakes it.
+        self._unsent = threading.local()
         self.due: collections.deque[Callable[[], None]] = collections.deque()  # :meth:`defer`'s jobs not yet run
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -73,10 +74,20 @@ class Link:
             if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
                 self.owner = _get_ident()
                 return
-        except BaseException as exc:  # an interrupt in the wait: nothing sent (see unsent)
-            self.unsent = id(exc)
+        except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
+            self._unsent.id = id(exc)
             raise
         raise WaitTimeoutError("another thread's send held the connection past the timeout")
+
+    def clear_unsent(self) -> None:
+        """Forget, for this thread, which exception last left nothing sent: call it before a send whose
+        interruption :meth:`was_unsent` will judge."""
+        self._unsent.id = 0
+
+    def was_unsent(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised in this thread since its :meth:`clear_unsent`, left nothing of its message sent
+        (a wait for the send lock, or for room before any byte left): the connection is as it was."""
+        return getattr(self._unsent, "id", 0) == id(exc)
 
     def try_acquire(self) -> bool:
         """Take the send lock if it is free."""
@@ -142,8 +153,8 @@ class Link:
         """
         try:
             got = self.acquire(timeout)
-        except BaseException as exc:  # an interrupt in the wait: nothing sent (see unsent)
-            self.unsent = id(exc)
+        except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
+            self._unsent.id = id(exc)
             raise
         if not got:
             raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
@@ -182,7 +193,7 @@ class Link:
             if not (cut or (essential and isinstance(exc, WaitTimeoutError))):
                 if self.proto.closed_here and isinstance(exc, DmaBufError):
                     raise ClosedError("this end closed the channel while the message was going out") from exc
-                self.unsent = id(exc)  # (an interrupt too: the caller may tell it from one after the message left)
+                self._unsent.id = id(exc)  # (an interrupt too: the caller may tell it from one after the message left)
                 raise  # nothing of the message went out: the connection is as it was
             # Cut off after its first byte (a peer that stopped reading, or an interrupt), the stream
             # is out of step for good; or an essential message could not go. End it: the peer sees the

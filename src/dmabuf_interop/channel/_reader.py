@@ -38,7 +38,7 @@ did not need it, never the other way round):
   recorded (:meth:`._lending.Lending._lend_again`, ``_lend_out``, ``_announce``, ``_send_batch``: they end it by
   :meth:`._lending.Lending._end_unrecorded`), and bytes that may have left by a send call whose count was not
   taken (:func:`.fdpass._send_all` marks the socket out of step); an interrupt in the wait for the send lock or
-  for room before any byte left (:attr:`._link.Link.unsent`) leaves the channel as it was;
+  for room before any byte left (:meth:`._link.Link.was_unsent`) leaves the channel as it was;
 * a release forgotten here and not yet out (:class:`._releases.ReleaseQueue`).
 Those that hold the read lock end the connection at once; the others record the ``LocalError`` first, and from
 then on nothing more is handed out (:attr:`._state.ConnectionState.failed_here`: the peer takes back the blocks

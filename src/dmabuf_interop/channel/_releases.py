@@ -110,7 +110,7 @@ class ReleaseQueue:
             link = self._link
             try:
                 msg = encode_release(ids)
-                link.unsent = 0
+                link.clear_unsent()
                 if send_lock_held:
                     link.send_locked(msg, timeout=timeout, essential=True)
                 else:
@@ -118,7 +118,7 @@ class ReleaseQueue:
             except (DmaBufError, OSError):
                 pass  # the connection has ended (or broke, or was ended here): the exporter releases everything
             except BaseException as exc:
-                if id(exc) == link.unsent:  # an interrupt in the wait, nothing sent: they go with the next flush
+                if link.was_unsent(exc):  # an interrupt in the wait, nothing sent: they go with the next flush
                     with self._cond:
                         self.pending[:0] = ids
                 else:
