@@ -240,6 +240,14 @@ u64_at(const unsigned char *b, size_t off)
     return v;
 }
 
+/* A u64 argument: 0 with *out set, or -1 with the error set (OverflowError: < 0 or >= 2**64; TypeError). */
+static int
+u64_arg(PyObject *obj, unsigned long long *out)
+{
+    *out = PyLong_AsUnsignedLongLong(obj);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
 /* read_slot(peer, off, seq, last_sock_seq, orderings) -> (sock_seq, lease, layout, ordering, event or None).
  * One copy of the slot at peer[off] (the peer may rewrite it at any moment), checked and used: its seq must be
  * seq, its sock_seq at least last_sock_seq, its lease in [1, 2**53), its ordering code an index of orderings (a
@@ -252,11 +260,8 @@ read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned char s[SLOT_SIZE];
     if (!nargs_ok(nargs, 5, "read_slot"))
         return NULL;
-    unsigned long long want = PyLong_AsUnsignedLongLong(args[2]);
-    if (want == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long long last = PyLong_AsUnsignedLongLong(args[3]);
-    if (last == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long want, last;
+    if (u64_arg(args[2], &want) < 0 || u64_arg(args[3], &last) < 0)
         return NULL;
     PyObject *orderings = args[4];
     if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS) {
@@ -327,20 +332,9 @@ push_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned char s[SLOT_SIZE];
     if (!nargs_ok(nargs, 11, "push_slot"))
         return NULL;
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
-    if (seq == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long long sock_seq = PyLong_AsUnsignedLongLong(args[3]);
-    if (sock_seq == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long long lease = PyLong_AsUnsignedLongLong(args[4]);
-    if (lease == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long layout = PyLong_AsUnsignedLong(args[5]);
-    if (layout == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long code = PyLong_AsUnsignedLong(args[6]);
-    if (code == (unsigned long)-1 && PyErr_Occurred())
+    unsigned long long seq, sock_seq, lease, layout, code;
+    if (u64_arg(args[2], &seq) < 0 || u64_arg(args[3], &sock_seq) < 0 || u64_arg(args[4], &lease) < 0
+        || u64_arg(args[5], &layout) < 0 || u64_arg(args[6], &code) < 0)
         return NULL;
     if (layout > UINT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "push_slot: layout does not fit a u32");
