@@ -156,6 +156,14 @@ def _poll_ms(deadline: float | None) -> int:
     return 0 if left <= 0 else min(2**31 - 1, int(left) + 1)
 
 
+def _fail_and_shut(conn: _Conn, exc: BaseException) -> None:
+    """End the connection for ``exc`` from a thread that may not hold the read lock: keep it as the first cause
+    (under the state lock), then shut the socket down; whoever reads next sees that and ends the connection."""
+    with conn.state:
+        conn.proto.fail(exc)
+    shut_down(conn.sock)
+
+
 def _ring_releases(conn: _Conn) -> None:
     """Complete the leases the peer released through its release ring (under the state lock: the reader and
     the senders take them). Raises ProtocolError for an id not lent, or a ring out of step."""
@@ -177,10 +185,8 @@ def _ring_releases(conn: _Conn) -> None:
             for lease in tokens[done:]:
                 lease._complete("released")
         elif not isinstance(exc, Exception):  # a signal handler's, with ids maybe taken and not counted: the end
-            with conn.state_lock:
-                conn.proto.fail(LocalError(f"{type(exc).__name__} interrupted the taking of the peer's releases: "
-                                           f"the connection was ended"))
-            shut_down(conn.sock)
+            _fail_and_shut(conn, LocalError(f"{type(exc).__name__} interrupted the taking of the peer's releases: "
+                                            f"the connection was ended"))
         raise
 
 
@@ -260,10 +266,7 @@ class ReleaseWaits:
 
     def _fail(self, exc: ProtocolError) -> None:
         """A forged id: the connection ends (the reader sees the shutdown and completes every lease)."""
-        conn = self.conn
-        with conn.state:
-            conn.proto.fail(exc)
-        shut_down(conn.sock)
+        _fail_and_shut(self.conn, exc)
 
 
 def _sleep_on_ring(conn: _Conn, rings: Any, poller: Any) -> None:
@@ -665,8 +668,7 @@ class Reading:
         rings = conn.rings
         if rings is None or not rings.attached:
             if conn.ahead is None:
-                conn.ahead = self._frames.read_by(deadline)
-                self._frames.in_flight = False  # (kept in ahead)
+                self._read_ahead(deadline)
             return conn.ahead
         while True:
             seq = rings.peek_sock_seq()
@@ -681,8 +683,7 @@ class Reading:
                 # The socket messages before this slot went out whole before it was published: they are in
                 # this end's socket already (AF_UNIX queues them there), unless the peer lied.
                 try:
-                    conn.ahead = self._frames.read_by(_monotonic() + ORDER_WAIT)
-                    self._frames.in_flight = False  # (kept in ahead)
+                    self._read_ahead(_monotonic() + ORDER_WAIT)
                 except WaitTimeoutError as exc:
                     if self._sock in _broken_recv:
                         raise
@@ -690,15 +691,20 @@ class Reading:
                                         f"came within {ORDER_WAIT} s") from exc
                 continue
             if self._frames.buffered():
-                conn.ahead = self._frames.read_by(deadline)
-                self._frames.in_flight = False  # (kept in ahead)
+                self._read_ahead(deadline)
                 continue
             readable = self._wait_both(deadline, spin)
             if readable is None:
                 return None
             if readable:
-                conn.ahead = self._frames.read_by(deadline)
-                self._frames.in_flight = False  # (kept in ahead)
+                self._read_ahead(deadline)
+
+    def _read_ahead(self, deadline: float | None) -> None:
+        """Read the next socket message into ``_Conn.ahead``, where it is held until handled: no longer in
+        flight (Note [interrupted handling]). Raises as :meth:`.fdpass.FrameReader.read_by`."""
+        frames = self._frames
+        self._conn.ahead = frames.read_by(deadline)
+        frames.in_flight = False
 
     def _wait_both(self, deadline: float | None, spin: float | str) -> bool | None:
         """Wait for the socket or the peer's ring: True once the socket is readable (or hung up), False when
@@ -796,10 +802,8 @@ class Reading:
         conn.taking = 0
         if isinstance(exc, Exception) or self._proto.ended:
             return
-        with self._state:
-            self._proto.fail(LocalError(f"{type(exc).__name__} interrupted recv() as it took an array: the "
+        _fail_and_shut(conn, LocalError(f"{type(exc).__name__} interrupted recv() as it took an array: the "
                                         f"connection was ended"))
-        shut_down(self._sock)
 
     def _interrupted_here(self, kind: Any, exc: BaseException) -> None:
         """(Under the read lock.) ``exc``, raised by a signal handler, cut the handling of the peer's ``kind``
