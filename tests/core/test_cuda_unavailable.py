@@ -59,6 +59,18 @@ def test_require_gpu_turns_every_gpu_skip_into_a_failure():
 
 
 @pytest.mark.gpu
+def test_require_gpu_skips_a_two_gpu_test_on_one_gpu_and_runs_the_rest():
+    # One GPU made visible: the two-GPU tests are a property of the machine (a skip), the others must run.
+    args = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", "--require-gpu",
+            f"{SRC}/../tests/channel/test_channel_gpu.py", "-k", "other_gpu or late_kernel_write"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                         env={**env_with_src(), "CUDA_VISIBLE_DEVICES": "0"})
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "needs 2 GPUs, this machine has 1" in out.stdout and "GPU required" not in out.stdout, out.stdout[-2000:]
+    assert " passed" in out.stdout and "2 skipped" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.gpu
 def test_no_visible_gpu_names_cuda_visible_devices():
     for value in ("", "GPU-00000000-0000-0000-0000-000000000000"):
         code, text = json.loads(_python(_PROBLEM, {"CUDA_VISIBLE_DEVICES": value}).stdout)
