@@ -279,6 +279,134 @@ def test_an_interrupt_after_a_send_went_out_and_before_its_lease_was_recorded_en
     assert not unraisable
 
 
+def _hold_send_lock(ch) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds ``ch``'s send lock until the event is set (as a send waiting for a slow peer)."""
+    taken, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            assert ch._link.acquire(5)
+            taken.set()
+            done.wait(30)
+        finally:
+            ch._link.release()
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert taken.wait(5)
+    return t, done
+
+
+class _InterruptAfterTake:
+    """The send lock, with an interrupt landing right after one take of it succeeded (``arm`` takes to let by
+    first): where a signal handler can run between the take and the ``try`` that would let it go."""
+
+    def __init__(self, lock, arm: int = 0) -> None:
+        self.lock, self.arm = lock, arm
+
+    def acquire(self, *args):
+        got = self.lock.acquire(*args)
+        if got and self.arm == 0:
+            self.arm = -1
+            raise Interrupt()
+        self.arm -= 1
+        return got
+
+    def __getattr__(self, name: str):
+        return getattr(self.lock, name)
+
+
+def _free(ch) -> bool:
+    """Whether another thread can take ``ch``'s send lock now."""
+    out: list = []
+
+    def take() -> None:
+        got = ch._link.lock.acquire(False)
+        out.append(got)
+        if got:
+            ch._link.lock.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join(5)
+    return out == [True]
+
+
+@pytest.mark.parametrize("where", ["send", "release", "close"])
+def test_an_interrupt_right_after_the_send_lock_was_taken_leaves_it_free(pair, monkeypatch, unraisable,
+                                                                         where) -> None:
+    """Nothing was sent, and the lock is not left held: later sends go out and close() does not hang (it takes
+    the lock to end the connection)."""
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    a[:] = 4
+    first = prod.send(a)
+    cons.recv(5).release()
+    first.wait(5)
+    if where == "send":
+        monkeypatch.setattr(prod._link, "lock", _InterruptAfterTake(prod._link.lock))
+        with pytest.raises(Interrupt):
+            prod.send(a, timeout=5)
+        assert _free(prod) and prod._proto.error is None and prod.outstanding == 0
+    elif where == "release":  # the consumer's release by the socket (no ring): its send lock
+        monkeypatch.setattr(cons._link, "lock", _InterruptAfterTake(cons._link.lock))
+        with pytest.raises(Interrupt):
+            cons._link.send({"kind": "release", "leases": []})
+        assert _free(cons)
+    monkeypatch.undo()
+    lease = prod.send(a, timeout=5)
+    with cons.recv(5) as r:
+        assert r.as_array().tolist() == [4] * 8
+    lease.wait(5)
+    assert lease.reason == "released"
+    if where == "close":
+        monkeypatch.setattr(prod._link, "lock", _InterruptAfterTake(prod._link.lock))
+        with pytest.raises(Interrupt):
+            prod.close(timeout=5)
+        monkeypatch.undo()
+        assert _free(prod)
+    t0 = time.monotonic()
+    prod.close(timeout=5)
+    assert time.monotonic() - t0 < 3
+    assert not unraisable
+
+
+def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_on(pair, monkeypatch,
+                                                                                   unraisable) -> None:
+    """As a signal handler's send inside the main thread's send: refused at once (its message would interleave
+    with the one half sent), and the first send completes under its lock."""
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    a[:] = 3
+    first = prod.send(a)
+    cons.recv(5).release()
+    first.wait(5)
+    refused: list = []
+    push = prod._rings.push_repeat
+
+    def nested(*args):
+        try:
+            prod.send(np.full(8, 9), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - kept for the assertion
+            refused.append(exc)
+        return push(*args)
+
+    monkeypatch.setattr(prod._rings, "push_repeat", nested)
+    t0 = time.monotonic()
+    lease = prod.send(a, timeout=5)
+    monkeypatch.undo()
+    assert time.monotonic() - t0 < 2
+    assert len(refused) == 1 and "own send" in str(refused[0]), refused
+    assert _free(prod)
+    with cons.recv(5) as r:
+        assert r.as_array().tolist() == [3] * 8
+    lease.wait(5)
+    lease = prod.send(a, timeout=5)  # the channel goes on
+    cons.recv(5).release()
+    lease.wait(5)
+    assert not unraisable
+
+
 def test_an_interrupt_while_a_send_waits_for_the_send_lock_leaves_the_channel_as_it_was(pair, unraisable) -> None:
     """Nothing of its message went out (another thread's send holds the connection): its lease is given back,
     and the channel goes on. (A send that waits for room in a full socket has most often sent part of its
@@ -286,7 +414,7 @@ def test_an_interrupt_while_a_send_waits_for_the_send_lock_leaves_the_channel_as
     pool, prod, cons = pair
     a = pool.empty(8, "int64")
     a[:] = 1
-    prod._link.acquire()  # as a send in another thread holds it, waiting for a slow peer
+    held, done = _hold_send_lock(prod)  # as a send in another thread holds it, waiting for a slow peer
 
     def handler(signum, frame):
         raise Interrupt()
@@ -299,7 +427,8 @@ def test_an_interrupt_while_a_send_waits_for_the_send_lock_leaves_the_channel_as
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        prod._link.release()
+        done.set()
+        held.join(5)
     assert prod._proto.error is None and prod.outstanding == 0
     lease = prod.send(a, timeout=10)
     r = cons.recv(10)

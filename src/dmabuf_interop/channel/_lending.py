@@ -60,8 +60,9 @@ class Lending:
         if self._proto.is_announced(chunk.id):
             return
         link = self._link
-        link.acquire_by(deadline)
-        try:  # checked again: two threads may lend blocks of a new chunk at once
+        try:  # (the take inside the try: Note [the send lock's owner], in ._link)
+            link.acquire_by(deadline)
+            # checked again: two threads may lend blocks of a new chunk at once
             link.run_due_held()  # a retire deferred meanwhile is counted before the chunk limit is checked
             if not self._proto.is_announced(chunk.id):
                 if not self._proto.can_announce():  # the peer would refuse it and end the connection
@@ -140,8 +141,8 @@ class Lending:
             self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
             pushing = False
             try:
-                link.acquire_by(deadline)
-                try:
+                try:  # (the take inside the try: Note [the send lock's owner], in ._link)
+                    link.acquire_by(deadline)
                     with self._state_lock:
                         pushing = True  # (from here to the record the slot may be out: see the except below)
                         # Load-bearing: the slot goes out before the lease is made and recorded, so the peer's work
@@ -283,8 +284,8 @@ class Lending:
         if self._rings is None:
             return False
         link = self._link
-        link.acquire_by(deadline)
         try:
+            link.acquire_by(deadline)
             return self._memos.is_current(memo) and self._push(lease_id, memo.layout, order, event)
         finally:
             link.release()
@@ -303,8 +304,8 @@ class Lending:
         else by the socket."""
         link = self._link
         if memo is not None:
-            link.acquire_by(deadline)
             try:
+                link.acquire_by(deadline)
                 if self._memos.is_current(memo):
                     link.send_locked(encode_repeat(lease_id, memo.layout, order, ev64, meta),
                                      timeout=link.wait_for(deadline))
@@ -315,8 +316,8 @@ class Lending:
                                p.dtype) for p in placed))
         # Chosen, sent and remembered under one hold of the send lock: layouts reach the peer in the
         # order they are defined, and one counts as known only once its definition has gone out.
-        link.acquire_by(deadline)
         try:
+            link.acquire_by(deadline)
             choice = self._proto.choose_layout(key, single=mapping is None)
             if not choice.define:
                 if memo is not None:

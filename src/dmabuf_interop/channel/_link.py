@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..errors import ClosedError, DmaBufError, LocalError, PeerClosedError, WaitTimeoutError
+from ..errors import ClosedError, DmaBufError, InvalidArgumentError, LocalError, PeerClosedError, WaitTimeoutError
 from ..fdpass import _broken_send, send_message
 from ._state import ConnectionState
 from .wire import frame_kind, send_frame, shut_down
@@ -25,16 +25,16 @@ __all__ = ["Link", "SEND_TIMEOUT"]
 SEND_TIMEOUT = 60.0
 
 log = logging.getLogger("dmabuf_interop.channel")
-_get_ident = threading.get_ident
 _monotonic = time.monotonic
 
 
 class Link:
     """Sends on one connected socket (AF_UNIX, or TCP with no fd). ``lock`` is the channel's send lock:
-    whoever holds it may call :meth:`send_locked`; :meth:`send` takes it. ``owner`` is the thread that
-    took it through :meth:`acquire` or sends under it (``0``: none known), so that a ``close()`` called
-    inside that thread's own send (a signal handler) knows not to wait for it. ``sent`` counts the messages
-    that went out whole since the handshake (a shared-memory ring slot says how many came before it).
+    whoever holds it may call :meth:`send_locked`; :meth:`send` takes it. It knows the thread that holds it
+    (:meth:`held_here`), so that a ``close()`` called inside that thread's own send (a signal handler) knows
+    not to wait for it, and an interrupt right after it was taken cannot leave it held (Note [the send lock's
+    owner]). ``sent`` counts the messages that went out whole since the handshake (a shared-memory ring slot
+    says how many came before it).
 
     Args:
         sock: the socket (the channel owns it and closes it).
@@ -46,8 +46,9 @@ class Link:
         self.sock = sock
         self.proto = proto
         self.send_timeout = send_timeout
-        self.lock = threading.Lock()
-        self.owner = 0
+        # An RLock for the owner it records as it is taken (in C, in one step), never to be taken twice: a
+        # thread that holds it gets a level more and is refused (Note [the send lock's owner]).
+        self.lock = threading.RLock()
         self.sent = 0  # messages gone out whole (changed under the lock)
         # Per thread, id() of the last exception a send raised with nothing of its message gone out (the connection
         # as it was): a caller that catches an interrupt tells one in the wait from one after the message left
@@ -56,23 +57,49 @@ class Link:
         self._unsent = threading.local()
         self.due: collections.deque[Callable[[], None]] = collections.deque()  # :meth:`defer`'s jobs not yet run
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes)."""
-        if self.lock.acquire(True, -1 if timeout is None else timeout):
-            self.owner = _get_ident()
-            return True
+    # Note [the send lock's owner]. A signal handler runs between two bytecodes of the main thread, so a
+    # KeyboardInterrupt can land right after ``acquire`` took a lock and before the ``try`` whose ``finally``
+    # lets it go: the lock would stay held, every later send would time out, and the end of the connection, which
+    # takes it without a limit, would hang. So every take of the send lock (:meth:`acquire`, :meth:`acquire_by`,
+    # :meth:`try_acquire`) is made inside the ``try`` whose ``finally`` calls :meth:`release`, and
+    # :meth:`release` lets go only if this thread holds the lock, which the RLock records as it is taken: an
+    # interrupt before, in or after the take leaves the lock as it would be without the take. The send lock is
+    # never held twice: a send made from inside this thread's own send (a signal handler's) would interleave its
+    # message with the one half sent. Such a take gets the RLock's level more, which its ``finally`` gives back,
+    # and is refused: :meth:`acquire_by` raises InvalidArgumentError, :meth:`acquire` and :meth:`try_acquire`
+    # answer False.
+
+    def _take(self, timeout: float) -> bool:
+        """Take the send lock (``timeout``: seconds, -1 for no limit), or a level more of it where this thread
+        holds it already, which is refused (False) and which the caller's :meth:`release` gives back."""
+        lock = self.lock
+        again = lock._is_owned()
+        if lock.acquire(False) or lock.acquire(True, timeout):  # (a free lock: no wait; this thread's: a level)
+            return not again
         return False
 
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes); False when
+        another thread held it past that or this thread holds it already. Call it inside a ``try`` whose
+        ``finally`` calls :meth:`release`, whatever it answers (Note [the send lock's owner])."""
+        return self._take(-1 if timeout is None else timeout)
+
     def acquire_by(self, deadline: float | None) -> None:
-        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``.
+        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``. Call it inside a ``try`` whose
+        ``finally`` calls :meth:`release` (Note [the send lock's owner]).
 
         Raises:
             WaitTimeoutError: another thread's send held it past that.
+            InvalidArgumentError: this thread holds it already: a send from inside its own send (a signal
+                handler's), which would interleave the two messages.
         """
         lock = self.lock
+        again = lock._is_owned()
         try:
             if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
-                self.owner = _get_ident()
+                if again:
+                    raise InvalidArgumentError("a send from inside this thread's own send (a signal handler's?) "
+                                               "would interleave the two messages: send after it returns")
                 return
         except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
             self._unsent.id = id(exc)
@@ -90,16 +117,18 @@ class Link:
         return getattr(self._unsent, "id", 0) == id(exc)
 
     def try_acquire(self) -> bool:
-        """Take the send lock if it is free."""
-        if self.lock.acquire(False):
-            self.owner = _get_ident()
-            return True
-        return False
+        """Take the send lock if it is free (False: another thread holds it, or this one does). Call it inside a
+        ``try`` whose ``finally`` calls :meth:`release`, whatever it answers (Note [the send lock's owner])."""
+        return self._take(0)
 
     def release(self) -> None:
-        self.owner = 0
-        self.lock.release()
-        if self.due:  # (after the release: a job deferred while this thread held the lock runs now)
+        """Let go of this thread's hold of the send lock, if it has one (nothing otherwise: a take that failed or
+        never happened); then, once it is free, run what :meth:`defer` left."""
+        lock = self.lock
+        if not lock._is_owned():
+            return
+        lock.release()
+        if self.due and not lock._is_owned():  # (after the release: a job deferred meanwhile runs now)
             self._run_due()
 
     def defer(self, job: Callable[[], None]) -> None:
@@ -126,17 +155,21 @@ class Link:
                 log.exception("a job deferred to the channel's send lock failed")
 
     def _run_due(self) -> None:
-        while self.due and self.lock.acquire(False):
-            self.owner = _get_ident()
+        lock = self.lock
+        if lock._is_owned():
+            return  # this thread's hold: its release runs them
+        while self.due:
             try:
+                if not lock.acquire(False):
+                    return
                 self.run_due_held()
             finally:
-                self.owner = 0
-                self.lock.release()
+                if lock._is_owned():
+                    lock.release()
 
     def held_here(self) -> bool:
         """Whether this thread holds the send lock (a ``close()`` inside its own interrupted send)."""
-        return self.lock.locked() and self.owner == _get_ident()
+        return self.lock._is_owned()
 
     def wait_for(self, deadline: float | None) -> float:
         """The wait for a message to begin to leave by ``deadline`` (``time.monotonic()``, ``None``: none),
@@ -152,13 +185,16 @@ class Link:
         Raises: as :meth:`send_locked`; WaitTimeoutError: another thread's send held the lock past ``timeout``.
         """
         try:
-            got = self.acquire(timeout)
-        except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
-            self._unsent.id = id(exc)
-            raise
-        if not got:
-            raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
-        try:
+            try:
+                got = self.acquire(timeout)
+            except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
+                self._unsent.id = id(exc)
+                raise
+            if not got:
+                if self.held_here():  # (a level more of this thread's hold, given back below)
+                    raise InvalidArgumentError("a send from inside this thread's own send (a signal handler's?) "
+                                               "would interleave the two messages: send after it returns")
+                raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
             self.send_locked(obj, fd, timeout, essential=essential)
         finally:
             self.release()
@@ -180,7 +216,6 @@ class Link:
         """
         if not self.proto.can_send or self.sock in _broken_send:
             raise self.ended()
-        self.owner = _get_ident()
         wait = self.send_timeout if timeout is None else timeout
         rest = None if whole else self.send_timeout
         try:

@@ -362,8 +362,10 @@ def _end_connection(conn: _Conn) -> None:
 def _end_steps(conn: _Conn) -> None:
     link = conn.link
     released: tuple = ()
-    link.acquire()
-    try:
+    try:  # (the take inside the try: Note [the send lock's owner], in ._link)
+        # (False only where this thread holds it already: an end inside its own interrupted send, which has
+        # stopped sending for good; without a limit else, as a send holds it at most SEND_TIMEOUT)
+        link.acquire()
         conn.memos.clear()
         with conn.state:
             rings = conn.rings

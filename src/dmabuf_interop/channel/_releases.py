@@ -86,12 +86,13 @@ class ReleaseQueue:
             n = len(self.pending)
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
         # Non-blocking: while another thread sends, the flusher takes this one.
-        if inline and self._link.try_acquire():
-            try:
-                self.flush(send_lock_held=True)
+        if inline:
+            try:  # (the take inside the try: Note [the send lock's owner], in ._link)
+                if self._link.try_acquire():
+                    self.flush(send_lock_held=True)
+                    return
             finally:
                 self._link.release()
-            return
         with self._cond:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",

@@ -85,8 +85,8 @@ socket, and never takes ``_read_lock`` or ``_send_lock`` blocking.
 Signals. Python runs a signal handler in the main thread between two bytecodes, possibly inside that
 thread's own ``send`` (holding ``_send_lock``, waiting in ``poll`` for a peer that stopped reading), its
 ``recv`` (holding ``_read_lock``) or a step under ``_state``. A ``close()`` in the handler must not wait
-for those: the :class:`._link.Link` records the thread that holds the send lock (``owner``), ``recv`` the
-one that reads (``_read_owner``), and the RLock knows its own. Then ``close()`` marks the channel closed,
+for those: the send lock (an RLock, :class:`._link.Link`) and the state's RLock know the thread that holds
+them, and ``recv`` records the one that reads (``_read_owner``). Then ``close()`` marks the channel closed,
 shuts the socket down (the interrupted call fails at once when the handler returns, with
 :class:`~..errors.ClosedError`; no ``bye``: the stream may be mid-message) and leaves the end to the
 reader (started if need be) or to the interrupted ``recv``, which runs it once the interrupted call lets go.
@@ -538,13 +538,14 @@ class Channel(Lending, Reading):
         wait = check_timeout(timeout)
         deadline = deadline_after(wait)
         link = self._link
-        locked = link.try_acquire()
         # This thread's own interrupted send (or recv) holds a lock the end needs: waiting would never end.
         # (Or it holds the state lock, which the end takes: the Condition's RLock says whether this thread does.)
-        interrupted = (not locked and link.held_here()) or self._state._is_owned()
-        if not locked and not interrupted:
-            locked = link.acquire(remaining(deadline))
-        try:
+        held = link.held_here()
+        interrupted = held or self._state._is_owned()
+        locked = False
+        try:  # (the takes inside the try, none where this thread holds it: Note [the send lock's owner], in ._link)
+            if not held:
+                locked = link.try_acquire() or (not interrupted and link.acquire(remaining(deadline)))
             if locked:  # the releases and the bye wait for the peer within the same timeout
                 self._releases.flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
@@ -559,7 +560,7 @@ class Channel(Lending, Reading):
             if not self._proto.ended:
                 shut_down(self._sock)  # wakes the reader (and a stuck sender); the reader closes the socket
         finally:
-            if locked:
+            if not held:
                 link.release()
         self._finalizer.detach()
         self._releases.wake()
