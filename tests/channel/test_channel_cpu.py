@@ -791,7 +791,7 @@ def test_a_send_over_a_freed_remembered_block_keeps_its_timeout_while_another_se
     gc.collect()
     b = pool.empty(16, "int32")
     assert b.ctypes.data == address  # the remembered placement's signature, over a new block
-    assert prod._link.acquire(1)  # another thread's send holds the connection
+    assert prod._link.lock.acquire(timeout=1)  # another thread's send holds the connection
     try:
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError):
@@ -822,7 +822,7 @@ def test_a_pool_that_retires_a_chunk_keeps_its_timeout_while_another_send_holds_
         assert prod._proto.is_announced(chunk)
         del a
         gc.collect()  # the chunk is idle: a 2 MiB block needs its room
-        assert prod._link.acquire(1)  # another thread's send holds the connection
+        assert prod._link.lock.acquire(timeout=1)  # another thread's send holds the connection
         try:
             t0 = time.monotonic()
             b = in_thread(lambda: pool.empty(2 * mib, "uint8", timeout=0.5))(5)
@@ -858,7 +858,7 @@ def test_a_retire_still_deferred_is_counted_before_the_next_announce(addr: str,
         first = pool._chunks[0].id
         del a
         gc.collect()
-        assert prod._link.acquire(1)
+        assert prod._link.lock.acquire(timeout=1)
         assert pool.trim() == 1  # the retire is deferred: the lock is held
         assert prod._proto.is_announced(first) and prod._link.due
         prod._link.lock.release()  # let go as a holder does, before it runs what was deferred
@@ -880,7 +880,7 @@ def test_a_deferred_job_runs_once_under_the_send_lock_and_a_failing_one_is_logge
     listener, prod, cons = pair(addr, pool)
     link = prod._link
     ran: list[bool] = []
-    assert link.acquire(1)
+    assert link.lock.acquire(timeout=1)
     link.defer(lambda: 1 / 0)  # deferred: the lock is held
     link.defer(lambda: ran.append(link.held_here()))
     assert ran == []

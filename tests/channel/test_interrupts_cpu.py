@@ -21,7 +21,7 @@ import pytest
 
 from dmabuf_interop.channel import SharedPool, connect, listen
 from dmabuf_interop.channel.received import Hold
-from dmabuf_interop.errors import LocalError, PeerClosedError, ProtocolError, WaitTimeoutError
+from dmabuf_interop.errors import InvalidArgumentError, LocalError, PeerClosedError, ProtocolError, WaitTimeoutError
 
 
 class Interrupt(BaseException):
@@ -285,7 +285,7 @@ def _hold_send_lock(ch) -> tuple[threading.Thread, threading.Event]:
 
     def hold() -> None:
         try:
-            assert ch._link.acquire(5)
+            assert ch._link.lock.acquire(timeout=5)
             taken.set()
             done.wait(30)
         finally:
@@ -371,24 +371,110 @@ def test_an_interrupt_right_after_the_send_lock_was_taken_leaves_it_free(pair, m
     assert not unraisable
 
 
-def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_on(pair, monkeypatch,
-                                                                                   unraisable) -> None:
-    """As a signal handler's send inside the main thread's send: refused at once (its message would interleave
-    with the one half sent), and the first send completes under its lock."""
+class _InterruptBeforeTake:
+    """The send lock, with an interrupt landing in one take before it asked the lock anything."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.armed = lock, True
+
+    def __getattr__(self, name: str):
+        if self.armed:
+            self.armed = False
+            raise Interrupt()
+        return getattr(self.lock, name)
+
+
+def test_a_nested_send_cut_short_before_its_take_leaves_the_outer_send_its_hold(pair, monkeypatch,
+                                                                              unraisable) -> None:
+    """A second interrupt, inside a signal handler's send inside this thread's send, that the handler swallows:
+    the outer send still holds the lock while it publishes, and a job deferred meanwhile runs only after it."""
     pool, prod, cons = pair
     a = pool.empty(8, "int64")
     a[:] = 3
     first = prod.send(a)
     cons.recv(5).release()
     first.wait(5)
+    seen: dict = {}
+    push = prod._rings.push_repeat
+    lock = prod._link.lock
+
+    def nested(*args):
+        prod._link.defer(lambda: seen.setdefault("job ran while the outer send held", prod._link.held_here()
+                                                 and "published" in seen))
+        prod._link.lock = _InterruptBeforeTake(lock)
+        try:
+            prod.send(np.full(8, 9), timeout=5)
+        except Interrupt:
+            seen["nested"] = "interrupted"
+        finally:
+            prod._link.lock = lock
+        try:
+            prod.send(np.full(8, 9), timeout=5)  # not interrupted: refused at once
+        except InvalidArgumentError as exc:
+            seen["refused"] = "own send" in str(exc)
+        seen["held"], seen["free"] = prod._link.held_here(), _free(prod)
+        got = push(*args)
+        seen["published"] = True
+        return got
+
+    monkeypatch.setattr(prod._rings, "push_repeat", nested)
+    lease = prod.send(a, timeout=5)
+    monkeypatch.undo()
+    assert seen["nested"] == "interrupted" and seen["refused"] and seen["held"] and not seen["free"], seen
+    assert seen["job ran while the outer send held"] is True, seen  # after the outer send, in its release
+    cons.recv(5).release()
+    lease.wait(5)
+    assert lease.reason == "released" and not unraisable
+
+
+def test_releases_flushed_inside_this_threads_own_send_go_out_after_it(pair, unraisable) -> None:
+    """A recv or release in a signal handler that interrupted this thread's send: the flush cannot send (the
+    send lock is this thread's), so the releases wait for the flusher, and the peer's lease completes."""
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    a[:] = 5
+    lease = prod.send(a)
+    r = cons.recv(5)
+    link, queue = cons._link, cons._releases
+    with cons._state:
+        assert cons._proto.released(r._hold.lease_id)
+        r._hold.alive = False  # (its release is the one queued here)
+        queue.pending.append(r._hold.lease_id)
+    assert link.lock.acquire(timeout=5)  # as this thread's own send holds it
+    try:
+        queue.flush()  # what recv() does before it waits
+        assert queue.pending == [r._hold.lease_id]  # kept, not dropped
+    finally:
+        link.release()
+    lease.wait(5)
+    assert lease.reason == "released" and not unraisable
+
+
+@pytest.mark.parametrize("inner", ["new array", "repeat"])
+def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_on(pair, monkeypatch, unraisable,
+                                                                                   inner) -> None:
+    """As a signal handler's send inside the main thread's send: refused at once (its message would interleave
+    with the one half sent), and the first send completes under its lock. The inner send is a new array's (a
+    definition by the socket) or a block's sent before (the steady-state lane's inline take)."""
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    a[:] = 3
+    b = pool.empty(8, "int64")
+    b[:] = 9
+    for x in (a, b):
+        first = prod.send(x)
+        cons.recv(5).release()
+        first.wait(5)
     refused: list = []
+    still_held: list = []
     push = prod._rings.push_repeat
 
     def nested(*args):
         try:
-            prod.send(np.full(8, 9), timeout=5)
+            prod.send(np.full(8, 9) if inner == "new array" else b, timeout=5)
         except Exception as exc:  # noqa: BLE001 - kept for the assertion
             refused.append(exc)
+        still_held.append(prod._link.held_here())  # the refusal let go of nothing: the outer send still holds it
         return push(*args)
 
     monkeypatch.setattr(prod._rings, "push_repeat", nested)
@@ -397,6 +483,7 @@ def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_
     monkeypatch.undo()
     assert time.monotonic() - t0 < 2
     assert len(refused) == 1 and "own send" in str(refused[0]), refused
+    assert still_held == [True]
     assert _free(prod)
     with cons.recv(5) as r:
         assert r.as_array().tolist() == [3] * 8

@@ -30,7 +30,8 @@ _monotonic = time.monotonic
 
 class Link:
     """Sends on one connected socket (AF_UNIX, or TCP with no fd). ``lock`` is the channel's send lock:
-    whoever holds it may call :meth:`send_locked`; :meth:`send` takes it. It knows the thread that holds it
+    whoever holds it (a ``with`` block of :meth:`held_by`, :meth:`held_within` or :meth:`held_if_free`) may call
+    :meth:`send_locked`; :meth:`send` takes it. It knows the thread that holds it
     (:meth:`held_here`), so that a ``close()`` called inside that thread's own send (a signal handler) knows
     not to wait for it, and an interrupt right after it was taken cannot leave it held (Note [the send lock's
     owner]). ``sent`` counts the messages that went out whole since the handshake (a shared-memory ring slot
@@ -46,8 +47,9 @@ class Link:
         self.sock = sock
         self.proto = proto
         self.send_timeout = send_timeout
-        # An RLock for the owner it records as it is taken (in C, in one step), never to be taken twice: a
-        # thread that holds it gets a level more and is refused (Note [the send lock's owner]).
+        # An RLock for the owner it records as it is taken (in C, in one step); never held twice (Note [the send
+        # lock's owner]). Taken only through held_by, held_within and held_if_free (and the steady-state lane's
+        # inline take).
         self.lock = threading.RLock()
         self.sent = 0  # messages gone out whole (changed under the lock)
         # Per thread, id() of the last exception a send raised with nothing of its message gone out (the connection
@@ -60,51 +62,56 @@ class Link:
     # Note [the send lock's owner]. A signal handler runs between two bytecodes of the main thread, so a
     # KeyboardInterrupt can land right after ``acquire`` took a lock and before the ``try`` whose ``finally``
     # lets it go: the lock would stay held, every later send would time out, and the end of the connection, which
-    # takes it without a limit, would hang. So every take of the send lock (:meth:`acquire`, :meth:`acquire_by`,
-    # :meth:`try_acquire`) is made inside the ``try`` whose ``finally`` calls :meth:`release`, and
-    # :meth:`release` lets go only if this thread holds the lock, which the RLock records as it is taken: an
-    # interrupt before, in or after the take leaves the lock as it would be without the take. The send lock is
-    # never held twice: a send made from inside this thread's own send (a signal handler's) would interleave its
-    # message with the one half sent. Such a take gets the RLock's level more, which its ``finally`` gives back,
-    # and is refused: :meth:`acquire_by` raises InvalidArgumentError, :meth:`acquire` and :meth:`try_acquire`
-    # answer False.
+    # takes it without a limit, would hang. So the send lock is taken only by a ``with`` block (:meth:`held_by`,
+    # :meth:`held_within`, :meth:`held_if_free`), whose ``__exit__`` the interpreter runs once ``__enter__`` has
+    # returned; ``__enter__`` takes it inside a ``try`` (its return too) that lets it go on any exception, and knows
+    # whether it did because the RLock records its owner as it is taken, in one step in C. A thread that holds
+    # it already is refused before any take, and lets go of nothing: a send made from inside this thread's own
+    # send (a signal handler's) would interleave its message with the one half sent, and a ``finally`` of the
+    # nested call that let go would free the outer send's hold while it writes. The steady-state lane
+    # (``Lending._lend_again``) makes the same steps inline, for speed: the refusal, then ``acquire(False)`` or
+    # :meth:`wait_by` inside a ``try`` whose ``finally`` lets go where this thread holds the lock.
 
-    def _take(self, timeout: float) -> bool:
-        """Take the send lock (``timeout``: seconds, -1 for no limit), or a level more of it where this thread
-        holds it already, which is refused (False) and which the caller's :meth:`release` gives back."""
-        lock = self.lock
-        again = lock._is_owned()
-        if lock.acquire(False) or lock.acquire(True, timeout):  # (a free lock: no wait; this thread's: a level)
-            return not again
-        return False
+    def held_by(self, deadline: float | None) -> "_Held":
+        """``with link.held_by(deadline):`` holds the send lock for the block, waiting at most :meth:`wait_for`
+        ``deadline`` for it (Note [the send lock's owner]).
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Take the send lock, waiting at most ``timeout`` seconds (``None``: as long as it takes); False when
-        another thread held it past that or this thread holds it already. Call it inside a ``try`` whose
-        ``finally`` calls :meth:`release`, whatever it answers (Note [the send lock's owner])."""
-        return self._take(-1 if timeout is None else timeout)
-
-    def acquire_by(self, deadline: float | None) -> None:
-        """Take the send lock, waiting at most :meth:`wait_for` ``deadline``. Call it inside a ``try`` whose
-        ``finally`` calls :meth:`release` (Note [the send lock's owner]).
-
-        Raises:
+        Raises (entering the block):
             WaitTimeoutError: another thread's send held it past that.
             InvalidArgumentError: this thread holds it already: a send from inside its own send (a signal
                 handler's), which would interleave the two messages.
         """
-        lock = self.lock
-        again = lock._is_owned()
+        return _Held(self, deadline, _BY)
+
+    def held_within(self, timeout: float | None) -> "_Held":
+        """``with link.held_within(timeout) as got:`` holds the send lock for the block if ``got``: taken within
+        ``timeout`` seconds (``None``: as long as it takes); False when another thread held it past that or this
+        thread holds it already (then nothing is let go at the end of the block)."""
+        return _Held(self, timeout, _WITHIN)
+
+    def held_if_free(self) -> "_Held":
+        """``with link.held_if_free() as got:`` as :meth:`held_within`, with no wait."""
+        return _Held(self, 0.0, _WITHIN)
+
+    def wait_by(self, deadline: float | None) -> None:
+        """Wait for the send lock until :meth:`wait_for` ``deadline`` (after ``lock.acquire(False)`` failed). Only
+        inside a ``try`` whose ``finally`` lets go where :meth:`held_here`, entered when this thread did not hold
+        it: a :class:`_Held` block, or the inline take of the steady-state lane (Note [the send lock's owner]).
+
+        Raises:
+            WaitTimeoutError: another thread's send held it past that.
+        """
+        if not self.wait_within(self.wait_for(deadline)):
+            raise WaitTimeoutError("another thread's send held the connection past the timeout")
+
+    def wait_within(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds (-1: no limit) for the send lock, as :meth:`wait_by`; whether it was
+        taken. An interrupt in the wait is marked as leaving nothing sent (:meth:`was_unsent`)."""
         try:
-            if lock.acquire(False) or lock.acquire(True, self.wait_for(deadline)):  # (a free lock: no wait computed)
-                if again:
-                    raise InvalidArgumentError("a send from inside this thread's own send (a signal handler's?) "
-                                               "would interleave the two messages: send after it returns")
-                return
-        except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
+            return self.lock.acquire(True, timeout)
+        except BaseException as exc:
             self._unsent.id = id(exc)
             raise
-        raise WaitTimeoutError("another thread's send held the connection past the timeout")
 
     def clear_unsent(self) -> None:
         """Forget, for this thread, which exception last left nothing sent: call it before a send whose
@@ -116,19 +123,11 @@ class Link:
         (a wait for the send lock, or for room before any byte left): the connection is as it was."""
         return getattr(self._unsent, "id", 0) == id(exc)
 
-    def try_acquire(self) -> bool:
-        """Take the send lock if it is free (False: another thread holds it, or this one does). Call it inside a
-        ``try`` whose ``finally`` calls :meth:`release`, whatever it answers (Note [the send lock's owner])."""
-        return self._take(0)
-
     def release(self) -> None:
-        """Let go of this thread's hold of the send lock, if it has one (nothing otherwise: a take that failed or
-        never happened); then, once it is free, run what :meth:`defer` left."""
-        lock = self.lock
-        if not lock._is_owned():
-            return
-        lock.release()
-        if self.due and not lock._is_owned():  # (after the release: a job deferred meanwhile runs now)
+        """Let go of the send lock (this thread holds it: a :class:`_Held` block's end); then, once it is free,
+        run what :meth:`defer` left."""
+        self.lock.release()
+        if self.due:  # (after the release: a job deferred while this thread held the lock runs now)
             self._run_due()
 
     def defer(self, job: Callable[[], None]) -> None:
@@ -156,12 +155,12 @@ class Link:
 
     def _run_due(self) -> None:
         lock = self.lock
-        if lock._is_owned():
-            return  # this thread's hold: its release runs them
         while self.due:
-            try:
+            if lock._is_owned():
+                return  # this thread's hold: its release runs them
+            try:  # (not owned here before the take: owned in the finally means taken here)
                 if not lock.acquire(False):
-                    return
+                    return  # another thread's hold: its release runs them
                 self.run_due_held()
             finally:
                 if lock._is_owned():
@@ -184,20 +183,12 @@ class Link:
 
         Raises: as :meth:`send_locked`; WaitTimeoutError: another thread's send held the lock past ``timeout``.
         """
-        try:
-            try:
-                got = self.acquire(timeout)
-            except BaseException as exc:  # an interrupt in the wait: nothing sent (see was_unsent)
-                self._unsent.id = id(exc)
-                raise
+        with self.held_within(timeout) as got:
             if not got:
-                if self.held_here():  # (a level more of this thread's hold, given back below)
-                    raise InvalidArgumentError("a send from inside this thread's own send (a signal handler's?) "
-                                               "would interleave the two messages: send after it returns")
+                if self.held_here():
+                    raise nested_send_error()
                 raise WaitTimeoutError(f"another thread's send held the connection for {timeout} s")
             self.send_locked(obj, fd, timeout, essential=essential)
-        finally:
-            self.release()
 
     def send_locked(self, obj: dict[str, Any] | bytes, fd: int | Sequence[int] | None = None,
                     timeout: float | None = None, *, essential: bool = False, whole: bool = False) -> None:
@@ -259,3 +250,56 @@ class Link:
             exc = PeerClosedError(f"the connection ended on an error: {type(err).__name__}: {err}")
         exc.__cause__ = err
         return exc
+
+
+_BY, _WITHIN = 0, 1
+
+
+def nested_send_error() -> InvalidArgumentError:
+    """The refusal of a send made from inside this thread's own send (Note [the send lock's owner])."""
+    return InvalidArgumentError("a send from inside this thread's own send (a signal handler's?) would interleave "
+                                "the two messages: send after it returns")
+
+
+class _Held:
+    """One ``with`` block's hold of a :class:`Link`'s send lock (Note [the send lock's owner]): ``mode`` ``_BY``
+    (``wait``: a deadline; raises where not taken) or ``_WITHIN`` (``wait``: seconds, ``None`` for no limit; the
+    block gets whether it was taken)."""
+
+    __slots__ = ("_link", "_wait", "_mode", "_taken")
+
+    def __init__(self, link: Link, wait: float | None, mode: int) -> None:
+        self._link = link
+        self._wait = wait
+        self._mode = mode
+        self._taken = False
+
+    def __enter__(self) -> bool:
+        link = self._link
+        lock = link.lock
+        if lock._is_owned():  # this thread's own send holds it: refused, nothing taken (nothing let go at the end)
+            if self._mode == _BY:
+                raise nested_send_error()
+            return False
+        try:  # (not owned before: owned in the except means taken here)
+            if lock.acquire(False):  # (a free lock: no wait computed)
+                self._taken = True
+                return True
+            if self._mode == _BY:
+                link.wait_by(self._wait)
+            else:
+                wait = self._wait
+                if wait == 0 or not link.wait_within(-1 if wait is None else wait):
+                    return False
+            self._taken = True
+            return True
+        except BaseException:
+            if lock._is_owned():  # an interrupt right after the take, before __exit__ was due to let it go
+                self._taken = False
+                lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self._taken:
+            self._taken = False
+            self._link.release()

@@ -362,10 +362,9 @@ def _end_connection(conn: _Conn) -> None:
 def _end_steps(conn: _Conn) -> None:
     link = conn.link
     released: tuple = ()
-    try:  # (the take inside the try: Note [the send lock's owner], in ._link)
-        # (False only where this thread holds it already: an end inside its own interrupted send, which has
-        # stopped sending for good; without a limit else, as a send holds it at most SEND_TIMEOUT)
-        link.acquire()
+    # Without a limit: a send holds it at most SEND_TIMEOUT. Not taken where this thread holds it already (an end
+    # inside its own interrupted send, whose next step fails on the closed socket): the end runs under that hold.
+    with link.held_within(None):
         conn.memos.clear()
         with conn.state:
             rings = conn.rings
@@ -388,8 +387,6 @@ def _end_steps(conn: _Conn) -> None:
             conn.sock.close()
         except OSError:
             pass
-    finally:
-        link.release()
     if parked is not None:
         close_fds(parked[1])
     conn.frames.discard()

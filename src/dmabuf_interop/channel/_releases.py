@@ -87,12 +87,14 @@ class ReleaseQueue:
             inline = inline and (n >= RELEASE_BATCH or (n == 1 and time.monotonic() - self._last_flush >= RELEASE_GAP))
         # Non-blocking: while another thread sends, the flusher takes this one.
         if inline:
-            try:  # (the take inside the try: Note [the send lock's owner], in ._link)
-                if self._link.try_acquire():
+            with self._link.held_if_free() as got:
+                if got:
                     self.flush(send_lock_held=True)
                     return
-            finally:
-                self._link.release()
+        self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        """Wake the flusher thread, which sends the pending releases (started at its first need)."""
         with self._cond:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="dmabuf-interop-channel-release",
@@ -107,6 +109,13 @@ class ReleaseQueue:
             ids, self.pending = self.pending, []
             if ids:
                 self._last_flush = time.monotonic()
+        if ids and not send_lock_held and self._link.held_here():
+            # This thread's own send holds the lock (a recv or release in a signal handler): the flusher sends
+            # them once it lets go; a send here would be refused, and the releases lost.
+            with self._cond:
+                self.pending[:0] = ids
+            self._start_flusher()
+            return
         if ids:
             link = self._link
             try:

@@ -111,7 +111,7 @@ machine in one process (send, recv, release: 10, 15, 18 us, against 49, 65, 38 u
 release (:data:`RELEASE_GAP`, :data:`RELEASE_BATCH`: the exporter reads a release before its next send, not
 during it); reading in the caller's thread on a receive-only channel (no hand-over between threads); notifying
 ``_state`` only when a ``recv`` waits on it; the flusher's own ``Event`` (it never competes with ``recv`` for
-the GIL). Per message, the fork check, the send lock's ``owner`` and the queue bound cost a few attribute
+the GIL). Per message, the fork check, the send lock's hold and the queue bound cost a few attribute
 reads and stores (under a microsecond). The reader polls before it reads when nothing is buffered: a message
 that finds it waiting costs ``poll`` + ``recvmsg`` (it was ``recvmsg`` -> ``EAGAIN``, ``poll``, ``recvmsg``),
 one already waiting a ``poll`` more.
@@ -540,12 +540,9 @@ class Channel(Lending, Reading):
         link = self._link
         # This thread's own interrupted send (or recv) holds a lock the end needs: waiting would never end.
         # (Or it holds the state lock, which the end takes: the Condition's RLock says whether this thread does.)
-        held = link.held_here()
-        interrupted = held or self._state._is_owned()
-        locked = False
-        try:  # (the takes inside the try, none where this thread holds it: Note [the send lock's owner], in ._link)
-            if not held:
-                locked = link.try_acquire() or (not interrupted and link.acquire(remaining(deadline)))
+        interrupted = link.held_here() or self._state._is_owned()
+        # (not taken where this thread holds it: Note [the send lock's owner], in ._link)
+        with link.held_if_free() if interrupted else link.held_within(remaining(deadline)) as locked:
             if locked:  # the releases and the bye wait for the peer within the same timeout
                 self._releases.flush(send_lock_held=True, timeout=remaining(deadline))
                 try:
@@ -559,9 +556,6 @@ class Channel(Lending, Reading):
                     self._conn.finish_here = True  # whoever ends the connection drops the queue, closes the carrier
             if not self._proto.ended:
                 shut_down(self._sock)  # wakes the reader (and a stuck sender); the reader closes the socket
-        finally:
-            if not held:
-                link.release()
         self._finalizer.detach()
         self._releases.wake()
         with self._state:

@@ -487,11 +487,9 @@ class MemoTable:
     def _forget_stale(self, memo: Memo) -> None:
         """Forget ``memo``, whose blocks were freed, if the send lock is free: a send in another thread may hold it
         past this send's timeout. Left, it is found stale again (and a new placement remembered replaces it)."""
-        try:  # (the take inside the try: Note [the send lock's owner], in ._link)
-            if self._link.try_acquire():
+        with self._link.held_if_free() as got:
+            if got:
                 self.forget(memo)
-        finally:
-            self._link.release()
 
     def is_current(self, memo: Memo) -> bool:
         """``memo`` is still the one remembered for its key, with a layout the peer has."""
