@@ -540,3 +540,37 @@ def test_an_interrupt_as_a_release_goes_out_ends_the_connection_and_the_lease_co
     _ended_by_interrupt(cons, "release")
     lease.wait(5)
     assert lease.reason == "disconnected" and not unraisable
+
+
+def test_an_interrupt_as_a_lease_completes_and_counts_its_waiter_out_still_wakes_the_waiter(pair, monkeypatch,
+                                                                                          unraisable) -> None:
+    """A thread waits on a lease; the thread that completes it (here the main thread, as a signal handler's
+    exception can land only there) is interrupted as it counts the waiter out: the lease is done all the same
+    and its waiter wakes at once, not at its timeout."""
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    first = prod.send(a)
+    cons.recv(5).release()
+    first.wait(5)
+    lease = prod.send(a)
+    r = cons.recv(5)
+    woke: list = []
+    waiter = threading.Thread(target=lambda: (lease.wait(5), woke.append(time.monotonic())), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while lease._waiters == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert lease._waiters == 1
+    waits = type(lease._waits)
+    monkeypatch.setattr(waits, "completed", _once(Interrupt(), waits.completed))
+    t0 = time.monotonic()
+    with pytest.raises(Interrupt):
+        lease._complete("released")  # as the completing thread does, with the peer's release taken
+    waiter.join(2)
+    assert woke and woke[0] - t0 < 1, "the waiter slept on to its timeout"
+    assert lease.done and lease.reason == "released"
+    r.release()  # the peer's release of a lease already complete changes nothing
+    lease2 = prod.send(a, timeout=5)  # the channel goes on
+    cons.recv(5).release()
+    lease2.wait(5)
+    assert not unraisable

@@ -151,11 +151,13 @@ class Lease:
             if self._event is not None:
                 self._events.give(self._event)
         finally:  # whatever giving back raised, the lease is over
-            self._blocks = []
-            waits, self._waits = self._waits, None  # (the connection's: no cycle through its lent leases from now on)
-            if waits is not None and self._waiters:
-                waits.completed(self)  # counted out before they wake: the reader may sleep for slots only at once
-            self._out.release()
+            try:
+                self._blocks = []
+                waits, self._waits = self._waits, None  # (the connection's: no cycle through its leases from now on)
+                if waits is not None and self._waiters:
+                    waits.completed(self)  # counted out before they wake: the reader may sleep for slots only at once
+            finally:  # (an interrupt in the counting out, too: the waiters are woken, the lease is done)
+                self._out.release()
 
     def __repr__(self) -> str:
         return f"<Lease {self.id} {'done: ' + str(self.reason) if self.done else 'out'}>"
