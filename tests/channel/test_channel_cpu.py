@@ -1461,6 +1461,58 @@ def test_a_bad_stream_does_not_lose_the_array(addr: str, pool: SharedPool) -> No
         x.close()
 
 
+def test_an_imported_chunk_is_unmapped_once_whoever_lets_go_last_retire_or_release() -> None:
+    """Its references are taken and dropped without a lock (one list call each): threads that take and drop
+    them while it is retired leave it mapped while any is held, and unmapped exactly once after."""
+    from dmabuf_interop.channel._carrier import ImportedChunk
+    from dmabuf_interop.mechanisms.memfd import export_memfd, import_memfd
+
+    for _ in range(20):
+        with export_memfd(1 << 16) as exported:
+            buf = import_memfd(exported.fd, 1 << 16)
+        closes = []
+        close = buf.close
+        buf.close = lambda: (closes.append(1), close())  # counts the unmaps
+        chunk = ImportedChunk(1, 1 << 16, buf)
+        chunk.retain()  # the caller's: dropped after the retire
+        go = threading.Barrier(5)
+
+        def churn() -> None:
+            go.wait()
+            for _ in range(2000):
+                chunk.retain()
+                assert not buf.closed  # a holder's chunk stays mapped
+                chunk.release()
+
+        threads = [threading.Thread(target=churn) for _ in range(4)]
+        for t in threads:
+            t.start()
+        go.wait()
+        chunk.retire()
+        for t in threads:
+            t.join()
+        assert not buf.closed and closes == []  # the caller's reference still holds it
+        chunk.release()
+        assert buf.closed and closes == [1] and chunk.refs == 0
+        chunk.retire()  # (again: nothing more to close)
+        assert closes == [1]
+    for _ in range(200):  # the last release and the retire at once: one unmap, whichever comes last
+        with export_memfd(1 << 16) as exported:
+            buf = import_memfd(exported.fd, 1 << 16)
+        closes = []
+        close = buf.close
+        buf.close = lambda: (closes.append(1), close())
+        chunk = ImportedChunk(1, 1 << 16, buf)
+        chunk.retain()
+        go = threading.Barrier(2)
+        racers = [threading.Thread(target=lambda f=f: (go.wait(), f())) for f in (chunk.release, chunk.retire)]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join()
+        assert buf.closed and closes == [1]
+
+
 def test_close_drops_arrays_that_were_not_received_and_unmaps_their_chunks(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     with SharedPool(chunk_bytes=1 << 20, max_bytes=1 << 20) as theirs:
