@@ -182,6 +182,68 @@ def test_a_ring_slot_is_taken_as_the_repeat_it_stands_for() -> None:
         fresh.receive_slot(1, 1, "sync", None)
 
 
+def _twins(host: bool = True, meta: Any = None) -> tuple[ConnectionPair, ConnectionPair, int]:
+    """Two pairs put through the same steps (the same layout ids and state): one array's layout 1, defined with
+    ordering "none" (host) or "sync" (device) and ``meta``, and a batch's layout 2; both released."""
+    pairs = []
+    for _ in range(2):
+        p = ConnectionPair()
+        c = p.announce(p.a, 2 << 20, host=host)
+        lease, _ = p.lend(p.a, [block(c, 0)], None, ordering="none" if host else "sync", meta=meta)
+        p.release(p.b, lease)
+        lease, _ = p.lend(p.a, [block(c, 1, "w")], True, ordering="none" if host else "sync")
+        p.release(p.b, lease)
+        pairs.append(p)
+    return pairs[0], pairs[1], c
+
+
+def _state_of(s: ConnectionState) -> tuple[Any, ...]:
+    return s.phase, s.held, s.layouts_held(), s.layouts_held(single=True), s.error
+
+
+@pytest.mark.parametrize("case", ["as defined", "another ordering", "an event", "held already", "unknown layout",
+                                  "a batch's layout", "defined with meta", "chunk retired", "closing", "ended"])
+def test_a_slot_repeating_a_layout_as_defined_is_taken_as_receive_slot_takes_it(case: str) -> None:
+    """``receive_slot_as_defined`` (the receiving lane's) takes the slot ``receive_slot`` would turn into that
+    layout's arrival as defined, with the same lease held after; any other slot it leaves, changing nothing,
+    for ``receive_slot`` to take or refuse."""
+    host = case != "an event"
+    fast, slow, c = _twins(host=host, meta={"k": 1} if case == "defined with meta" else None)
+    lease, layout, ordering, event = 50, 1, "none" if host else "sync", None
+    if case == "another ordering":
+        ordering = "sync"
+    elif case == "an event":
+        ordering, event = "event", EVENT
+    elif case == "held already":
+        for s in (fast.b, slow.b):
+            s.receive_slot(lease, 1, ordering, None)
+    elif case == "unknown layout":
+        layout = 9
+    elif case == "a batch's layout":
+        layout = 2
+    elif case == "chunk retired":
+        fast.retire(fast.a, c)
+        slow.retire(slow.a, c)
+    elif case == "closing":
+        fast.b.close()
+        slow.b.close()
+    elif case == "ended":
+        fast.b.end()
+        slow.b.end()
+    before = _state_of(fast.b)
+    got = fast.b.receive_slot_as_defined(lease, layout, ordering, event is not None)
+    try:
+        want = slow.b.receive_slot(lease, layout, ordering, event)
+    except ProtocolError:
+        want = None
+    if case == "as defined":
+        assert got is not None and want == [ArraysArrived("array", lease, got.descs, False, ordering,
+                                                          tuple(got.chunks), got.id)]
+        assert _state_of(fast.b) == _state_of(slow.b) and lease in fast.b.held
+    else:
+        assert got is None and _state_of(fast.b) == before  # (nothing done: receive_slot decides)
+
+
 def test_bye_ends_the_connection_and_end_completes_what_was_lent() -> None:
     p = ConnectionPair()
     p.a.lend(7, "token")

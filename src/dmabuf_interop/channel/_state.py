@@ -546,6 +546,28 @@ class ConnectionState:
             self._finish(exc)
             raise
 
+    def receive_slot_as_defined(self, lease: int, layout_id: int, ordering: str, has_event: bool) -> Layout | None:
+        """:meth:`receive_slot` of the case a steady state repeats: one array's layout repeated as it was
+        defined (the same ordering, no event, no ``meta``), over chunks still announced, under a lease not held,
+        on an open connection. Returns the layout, the lease now held: the arrival :meth:`receive_slot` would
+        make is ``ArraysArrived("array", lease, layout.descs, False, ordering, tuple(layout.chunks), layout.id)``.
+        ``None``: another case, nothing done (:meth:`receive_slot` takes it, and decides). Raises nothing."""
+        if self.phase is not _OPEN or self.ring_due or has_event:  # (ENDED, CLOSING, HANDSHAKE: receive_slot's)
+            return None
+        found = self._single_layouts.get(layout_id)
+        if found is None or lease in self._held:
+            return None
+        d = found.descs[0]
+        # (ordering as defined: so "event" is not over a host chunk, which the definition checked)
+        if ordering != d.ordering or d.event is not None or d.meta is not None:
+            return None
+        chunks = self._chunks
+        for cid, fact in found.chunks.items():
+            if chunks.get(cid) is not fact:
+                return None
+        self._held.add(lease)
+        return found
+
     def _repeat(self, lease: int, layout_id: int, ordering: str, event: str | None,
                 meta: dict[str, Any] | None) -> list[Event]:
         # (one array's layouts first: what the ring repeats most; the two tables never share an id)
