@@ -10,7 +10,8 @@ each, takes ``as_array`` and reads the first 4 bytes (the host: a NumPy read; a 
 to pinned memory, then a stream synchronisation), then releases it. Each side stamps ``time.monotonic_ns``:
 
 - the producer: ``send`` called (t0), and the moment the hand-off left (the ring slot published, or the
-  socket message sent: the library's own ``Rings.push_repeat`` / ``Link.send_locked`` wrapped);
+  socket message sent: the library's own ``Rings.push_repeat``, the attached ring's ``push_host`` /
+  ``Link.send_locked`` wrapped);
 - the consumer: the moment it woke (its sleep on the ring ended: ``Rings.sleep_end``, or a socket message
   read: ``FrameReader.read_by``; a spinning consumer that saw the slot never sleeps, so this stage is not
   shown for it), ``recv`` returned, and the read done.
@@ -136,6 +137,13 @@ def _run(args: argparse.Namespace, folder: str) -> int:
         left[0] = _mono()
         return got
 
+    def timed(publish):  # type: ignore[no-untyped-def]
+        def call(*a):  # type: ignore[no-untyped-def]
+            got = publish(*a)
+            left[0] = _mono()
+            return got
+        return call
+
     def timed_send_locked(self, *a, **k):  # type: ignore[no-untyped-def]
         got = send_locked(self, *a, **k)
         left[0] = _mono()
@@ -149,6 +157,8 @@ def _run(args: argparse.Namespace, folder: str) -> int:
     with pool, listen(addr, pool=pool, ring=not args.socket) as lst:
         os.write(go_w, b"x")
         with lst.accept(timeout=60) as ch:
+            if ch.ring:  # (the attached ring's host publish is its cursor's, bound on the instance)
+                ch._rings.push_host = timed(ch._rings.push_host)
             blocks = [pool.empty(args.size, "uint8") for _ in range(_RING_BLOCKS)]
             leases: list = [None] * _RING_BLOCKS
             for i in range(args.count):

@@ -13,11 +13,11 @@
  *   store_seq(buf, off, value)        seq_cst store
  *   store_load(buf, off, v, peer, poff) -> int  store_seq, then load_seq of peer[poff] (the Dekker step)
  *   publish(buf, off, data)           copy data[8:] to buf[off+8:], then release-store data[0:8] at buf[off]
- *   read_slot(peer, off, seq, last, orderings)  one copy of a ring slot, checked (BadSlot: the copy, refused)
- *   push_slot(buf, off, seq, ..., peer, poff)  a ring slot written and published, and the Dekker step
  *   address(obj) -> int               the address of a buffer exporter's first element (a NumPy array's data)
  *   Mapping(fd, size, writable)       mmap(MAP_SHARED) + madvise(MADV_DONTFORK), a buffer; close() munmaps,
  *                                     and only in the process that mapped it
+ *   SlotReader, SlotWriter            a message ring's reading and writing cursors: peek, spin_peek, take;
+ *                                     push (one C call each; see their section)
  *   span(address, nbytes, keep, readonly=False)  a buffer over memory the caller vouches for, holding keep (a
  *                                     received array's owners) for as long as it or any export of it lives
  *
@@ -40,8 +40,10 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -137,6 +139,16 @@ load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return do_load(args, nargs, "load", __ATOMIC_ACQUIRE);
 }
 
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 /* Release: everything this thread stored before (a slot, release entries) is visible to a reader that
  * load-acquires the value; and a consumer's head is stored only after its copy of the slot is taken. */
 static PyObject *
@@ -221,16 +233,13 @@ publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * A slot (docs/protocol.md, "Shared-memory ring"; channel/_ring_region.py's SLOT, struct "<QQQIBB2x64s"):
  *   0 seq u64 | 8 sock_seq u64 | 16 lease u64 | 24 layout u32 | 28 ordering u8 | 29 has_event u8 | 30 pad 2 |
  *   32 event 64 bytes.
- * read_slot and push_slot do in one call what the ring's hot paths did in four to six (struct, the checks, the
- * publish and the Dekker step): each Python step costs a consumer just woken two to three times its warm cost.
- * The checks are the ring's (Note [the peer's region] in channel/_ring.py); tests compare both codings. */
+ * The cursors below (SlotReader, SlotWriter) code and check it; tests compare their coding with the struct's. */
 #define SLOT_SIZE 96
 #define EVENT_SIZE 64
 #define N_ORDERINGS 3      /* "sync", "event", "none": ORDERINGS, by code */
 #define EVENT_CODE 1
+#define NONE_CODE 2        /* "none": a host array's */
 #define LEASE_LIMIT (1ULL << 53)
-
-static PyObject *BadSlot;  /* raised by read_slot with the copied fields: the caller says what was wrong */
 
 static uint64_t
 u64_at(const unsigned char *b, size_t off)
@@ -246,146 +255,6 @@ u64_arg(PyObject *obj, unsigned long long *out)
 {
     *out = PyLong_AsUnsignedLongLong(obj);
     return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* read_slot(peer, off, seq, last_sock_seq, orderings) -> (sock_seq, lease, layout, ordering, event or None).
- * One copy of the slot at peer[off] (the peer may rewrite it at any moment), checked and used: its seq must be
- * seq, its sock_seq at least last_sock_seq, its lease in [1, 2**53), its ordering code an index of orderings (a
- * tuple of 3 str) with has_event 1 exactly for EVENT_CODE. Else BadSlot(seq, sock_seq, lease, layout, code,
- * has_event, event): the copy, for the caller's message. */
-static PyObject *
-read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_buffer view;
-    unsigned char s[SLOT_SIZE];
-    if (!nargs_ok(nargs, 5, "read_slot"))
-        return NULL;
-    unsigned long long want, last;
-    if (u64_arg(args[2], &want) < 0 || u64_arg(args[3], &last) < 0)
-        return NULL;
-    PyObject *orderings = args[4];
-    if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS) {
-        PyErr_SetString(PyExc_TypeError, "read_slot: orderings must be a tuple of 3");
-        return NULL;
-    }
-    uint64_t *p = at(args[0], args[1], SLOT_SIZE, 0, &view);
-    if (p == NULL)
-        return NULL;
-    memcpy(s, p, SLOT_SIZE);  /* the one read of the peer's memory */
-    PyBuffer_Release(&view);
-    uint64_t seq = u64_at(s, 0), sock_seq = u64_at(s, 8), lease = u64_at(s, 16);
-    uint32_t layout;
-    memcpy(&layout, s + 24, 4);
-    unsigned code = s[28], has_event = s[29];
-    if (seq != want || sock_seq < last || lease == 0 || lease >= LEASE_LIMIT || code >= N_ORDERINGS
-        || has_event != (code == EVENT_CODE)) {
-        PyObject *raw = Py_BuildValue("(KKKIIIy#)", (unsigned long long)seq, (unsigned long long)sock_seq,
-                                      (unsigned long long)lease, layout, code, has_event, (const char *)s + 32,
-                                      (Py_ssize_t)EVENT_SIZE);
-        if (raw != NULL) {
-            PyErr_SetObject(BadSlot, raw);
-            Py_DECREF(raw);
-        }
-        return NULL;
-    }
-    PyObject *event;
-    if (has_event) {
-        event = PyBytes_FromStringAndSize((const char *)s + 32, EVENT_SIZE);
-        if (event == NULL)
-            return NULL;
-    } else {
-        event = Py_NewRef(Py_None);
-    }
-    PyObject *out = PyTuple_New(5);
-    if (out == NULL) {
-        Py_DECREF(event);
-        return NULL;
-    }
-    PyObject *a = PyLong_FromUnsignedLongLong(sock_seq), *b = PyLong_FromUnsignedLongLong(lease),
-             *c = PyLong_FromUnsignedLong(layout);
-    if (a == NULL || b == NULL || c == NULL) {
-        Py_XDECREF(a);
-        Py_XDECREF(b);
-        Py_XDECREF(c);
-        Py_DECREF(event);
-        Py_DECREF(out);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, a);
-    PyTuple_SET_ITEM(out, 1, b);
-    PyTuple_SET_ITEM(out, 2, c);
-    PyTuple_SET_ITEM(out, 3, Py_NewRef(PyTuple_GET_ITEM(orderings, code)));
-    PyTuple_SET_ITEM(out, 4, event);
-    return out;
-}
-
-/* push_slot(buf, off, seq, sock_seq, lease, layout, code, event, tail_off, peer, asleep_off) -> int.
- * Write the slot at buf[off] (its body, then seq with a release store), then the Dekker step: a seq_cst store of
- * seq at buf[tail_off] (the tail) and a seq_cst load of the u64 at peer[asleep_off], returned (nonzero: the peer
- * sleeps, wake it). Everything is checked before anything is written: ValueError for a lease outside [1, 2**53),
- * a code >= 3, an event that is not 64 bytes or None exactly when code is not EVENT_CODE; OverflowError for a
- * value past its field. */
-static PyObject *
-push_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_buffer view, tailv, peerv, ev;
-    unsigned char s[SLOT_SIZE];
-    if (!nargs_ok(nargs, 11, "push_slot"))
-        return NULL;
-    unsigned long long seq, sock_seq, lease, layout, code;
-    if (u64_arg(args[2], &seq) < 0 || u64_arg(args[3], &sock_seq) < 0 || u64_arg(args[4], &lease) < 0
-        || u64_arg(args[5], &layout) < 0 || u64_arg(args[6], &code) < 0)
-        return NULL;
-    if (layout > UINT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "push_slot: layout does not fit a u32");
-        return NULL;
-    }
-    if (lease == 0 || lease >= LEASE_LIMIT || code >= N_ORDERINGS
-        || (args[7] != Py_None) != (code == EVENT_CODE)) {
-        PyErr_SetString(PyExc_ValueError, "push_slot: lease, ordering or event out of the slot's range");
-        return NULL;
-    }
-    memset(s, 0, SLOT_SIZE);
-    if (args[7] != Py_None) {
-        if (PyObject_GetBuffer(args[7], &ev, PyBUF_SIMPLE) < 0)
-            return NULL;
-        if (ev.len != EVENT_SIZE) {
-            PyBuffer_Release(&ev);
-            PyErr_SetString(PyExc_ValueError, "push_slot: an event is 64 bytes");
-            return NULL;
-        }
-        memcpy(s + 32, ev.buf, EVENT_SIZE);
-        PyBuffer_Release(&ev);
-        s[29] = 1;
-    }
-    uint64_t sq = sock_seq, ls = lease;
-    uint32_t lay = (uint32_t)layout;
-    memcpy(s + 8, &sq, 8);
-    memcpy(s + 16, &ls, 8);
-    memcpy(s + 24, &lay, 4);
-    s[28] = (unsigned char)code;
-    uint64_t *p = at(args[0], args[1], SLOT_SIZE, 1, &view);
-    if (p == NULL)
-        return NULL;
-    uint64_t *t = at(args[0], args[8], 8, 1, &tailv);
-    if (t == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    uint64_t *q = at(args[9], args[10], 8, 0, &peerv);
-    if (q == NULL) {
-        PyBuffer_Release(&tailv);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    memcpy((char *)p + 8, s + 8, SLOT_SIZE - 8);
-    __atomic_store_n(p, (uint64_t)seq, __ATOMIC_RELEASE);
-    __atomic_store_n(t, (uint64_t)seq, __ATOMIC_SEQ_CST);
-    uint64_t asleep = __atomic_load_n(q, __ATOMIC_SEQ_CST);
-    PyBuffer_Release(&peerv);
-    PyBuffer_Release(&tailv);
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(asleep);
 }
 
 /* The address of a buffer exporter's first element (a NumPy array's data pointer): the sender's memo compares it
@@ -675,6 +544,634 @@ span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)self;
 }
 
+/* --- SlotReader, SlotWriter: the message ring's cursors ---------------------------------------------------
+ *
+ * A ring's hot state (this end's head or tail, what it last saw of the peer's counters, the slot peeked and not
+ * yet taken) in one C object per direction, with the regions' buffers held for the object's life: a consumer's
+ * look at the ring, its take and a producer's publish are each one C call with no Python frame between the
+ * channel and the shared memory (load-bearing: the hand-off is a chain of such steps, and each Python step of it
+ * costs a process just woken two to three times its warm cost). The checks are Note [the peer's region]'s, with
+ * its messages (channel/_ring.py); a failed one raises the ProtocolError class given at construction and
+ * changes nothing. Fork: a child's copy refuses every call (the regions are MADV_DONTFORK, absent there),
+ * raising what the `forked` callable given at construction returns; close() lets the buffers go (the mappings
+ * can then be closed), after which a call raises ValueError. */
+
+static unsigned long fork_generation;  /* bumped in a child of fork(): a cursor made before refuses to act */
+
+static void
+after_fork_child(void)
+{
+    fork_generation++;
+}
+
+typedef struct {
+    Py_buffer mine, peer;   /* held while open */
+    int open;
+    unsigned long generation;
+    uint64_t slots, mask;   /* the ring this cursor reads or writes: its length */
+    Py_ssize_t slots_off, slot_bytes, out_tail_off, in_head_off, asleep_off;
+    PyObject *protocol_error, *forked;
+} CursorBase;
+
+/* The regions, the ring's layout (slots_offset, slot_bytes, out_tail, in_head, asleep) and the errors
+ * (ProtocolError class, forked callable): checked and taken. ring_in_peer: the ring lies in the peer's region
+ * (a reader) or in this end's (a writer). */
+static int
+cursor_init(CursorBase *c, PyObject *mine, PyObject *peer, PyObject *slots_obj, PyObject *layout,
+            PyObject *protocol_error, PyObject *forked, int ring_in_peer)
+{
+    Py_ssize_t slots = PyLong_AsSsize_t(slots_obj);
+    if (slots == -1 && PyErr_Occurred())
+        return -1;
+    if (slots <= 0 || (slots & (slots - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "a ring's slots must be a power of two");
+        return -1;
+    }
+    Py_ssize_t f[5];
+    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != 5) {
+        PyErr_SetString(PyExc_TypeError, "layout must be (slots_offset, slot_bytes, out_tail, in_head, asleep)");
+        return -1;
+    }
+    for (int i = 0; i < 5; i++) {
+        f[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(layout, i));
+        if (f[i] == -1 && PyErr_Occurred())
+            return -1;
+        if (f[i] < 0 || (f[i] & 7) != 0) {
+            PyErr_SetString(PyExc_ValueError, "a ring layout's offsets are 8-byte aligned and >= 0");
+            return -1;
+        }
+    }
+    if (f[1] < SLOT_SIZE || !PyCallable_Check(forked)) {
+        PyErr_SetString(PyExc_ValueError, "slot_bytes below a slot's size, or forked not callable");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mine, &c->mine, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(peer, &c->peer, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&c->mine);
+        return -1;
+    }
+    Py_ssize_t ring_len = ring_in_peer ? c->peer.len : c->mine.len;
+    Py_ssize_t counters = f[2] > f[3] ? f[2] : f[3];
+    counters = counters > f[4] ? counters : f[4];
+    if (slots > (PY_SSIZE_T_MAX - f[0]) / f[1] || f[0] + slots * f[1] > ring_len || counters + 8 > c->mine.len
+        || counters + 8 > c->peer.len || ((uintptr_t)c->mine.buf & 7) || ((uintptr_t)c->peer.buf & 7)) {
+        PyBuffer_Release(&c->peer);
+        PyBuffer_Release(&c->mine);
+        PyErr_SetString(PyExc_ValueError, "the ring does not fit its region");
+        return -1;
+    }
+    c->slots = (uint64_t)slots;
+    c->mask = (uint64_t)slots - 1;
+    c->slots_off = f[0];
+    c->slot_bytes = f[1];
+    c->out_tail_off = f[2];
+    c->in_head_off = f[3];
+    c->asleep_off = f[4];
+    c->protocol_error = Py_NewRef(protocol_error);
+    c->forked = Py_NewRef(forked);
+    c->generation = fork_generation;
+    c->open = 1;
+    return 0;
+}
+
+/* 0: usable; -1 with the error set. */
+static int
+cursor_check(CursorBase *c)
+{
+    if (c->generation != fork_generation) {
+        PyObject *exc = PyObject_CallNoArgs(c->forked);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return -1;
+    }
+    if (!c->open) {
+        PyErr_SetString(PyExc_ValueError, "the ring cursor is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static void
+cursor_release(CursorBase *c)
+{
+    if (c->open) {
+        c->open = 0;
+        PyBuffer_Release(&c->peer);
+        PyBuffer_Release(&c->mine);
+    }
+}
+
+static uint64_t *
+u64p(Py_buffer *b, Py_ssize_t off)
+{
+    return (uint64_t *)((char *)b->buf + off);
+}
+
+typedef struct {
+    PyObject_HEAD
+    CursorBase c;
+    uint64_t head, seen_tail, last_sock_seq;
+    PyObject *next;       /* the slot peeked and not taken: (sock_seq, lease, layout, ordering, event), or NULL */
+    PyObject *orderings;  /* a tuple of 3 str */
+    PyObject *invalid;    /* the error class of a take() with nothing published */
+} SlotReader;
+
+static int
+reader_traverse(SlotReader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->next);
+    Py_VISIT(self->orderings);
+    Py_VISIT(self->invalid);
+    Py_VISIT(self->c.protocol_error);
+    Py_VISIT(self->c.forked);
+    return 0;
+}
+
+static int
+reader_clear(SlotReader *self)
+{
+    Py_CLEAR(self->next);
+    Py_CLEAR(self->orderings);
+    Py_CLEAR(self->invalid);
+    Py_CLEAR(self->c.protocol_error);
+    Py_CLEAR(self->c.forked);
+    return 0;
+}
+
+static void
+reader_dealloc(SlotReader *self)
+{
+    PyObject_GC_UnTrack(self);
+    cursor_release(&self->c);
+    reader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"peer", "mine", "slots", "layout", "orderings", "protocol_error", "invalid", "forked",
+                             NULL};
+    PyObject *peer, *mine, *slots, *layout, *orderings, *perr, *invalid, *forked;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO:SlotReader", kwlist, &peer, &mine, &slots, &layout,
+                                     &orderings, &perr, &invalid, &forked))
+        return NULL;
+    if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS) {
+        PyErr_SetString(PyExc_TypeError, "SlotReader: orderings must be a tuple of 3");
+        return NULL;
+    }
+    SlotReader *self = (SlotReader *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (cursor_init(&self->c, mine, peer, slots, layout, perr, forked, 1) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->orderings = Py_NewRef(orderings);
+    self->invalid = Py_NewRef(invalid);
+    return (PyObject *)self;
+}
+
+/* The next published slot into self->next, copied once and checked (Note [the peer's region]): 1 when there is
+ * one, 0 when none is published, -1 with a ProtocolError set (nothing changed but seen_tail, as it was loaded). */
+static int
+reader_fill(SlotReader *self)
+{
+    if (self->next != NULL)
+        return 1;
+    CursorBase *c = &self->c;
+    uint64_t head = self->head;
+    if (head == self->seen_tail) {
+        uint64_t tail = __atomic_load_n(u64p(&c->peer, c->out_tail_off), __ATOMIC_ACQUIRE);
+        if (tail == head)
+            return 0;
+        if (!(head < tail && tail - head <= c->slots)) {
+            PyErr_Format(c->protocol_error, "ring: the peer's out_tail %llu is outside (%llu, %llu]",
+                         (unsigned long long)tail, (unsigned long long)head, (unsigned long long)(head + c->slots));
+            return -1;
+        }
+        self->seen_tail = tail;
+    }
+    unsigned char s[SLOT_SIZE];
+    memcpy(s, (char *)c->peer.buf + c->slots_off + (Py_ssize_t)(head & c->mask) * c->slot_bytes, SLOT_SIZE);
+    uint64_t seq = u64_at(s, 0), sock_seq = u64_at(s, 8), lease = u64_at(s, 16);
+    uint32_t layout;
+    memcpy(&layout, s + 24, 4);
+    unsigned code = s[28], has_event = s[29];
+    unsigned long long h = (unsigned long long)head;
+    if (seq != head + 1) {
+        PyErr_Format(c->protocol_error, "ring: slot %llu has seq %llu, not %llu", h, (unsigned long long)seq, h + 1);
+        return -1;
+    }
+    if (sock_seq < self->last_sock_seq) {
+        PyErr_Format(c->protocol_error, "ring: slot %llu has sock_seq %llu, before the last slot's %llu", h,
+                     (unsigned long long)sock_seq, (unsigned long long)self->last_sock_seq);
+        return -1;
+    }
+    if (lease == 0 || lease >= LEASE_LIMIT) {
+        PyErr_Format(c->protocol_error, "ring: slot %llu has lease %llu, outside [1, 2**53)", h,
+                     (unsigned long long)lease);
+        return -1;
+    }
+    if (code >= N_ORDERINGS || has_event != (code == EVENT_CODE)) {
+        PyErr_Format(c->protocol_error, "ring: slot %llu has ordering %u and has_event %u", h, code, has_event);
+        return -1;
+    }
+    PyObject *event = has_event ? PyBytes_FromStringAndSize((const char *)s + 32, EVENT_SIZE) : Py_NewRef(Py_None);
+    if (event == NULL)
+        return -1;
+    PyObject *a = PyLong_FromUnsignedLongLong(sock_seq), *b = PyLong_FromUnsignedLongLong(lease),
+             *d = PyLong_FromUnsignedLong(layout);
+    PyObject *out = (a && b && d) ? PyTuple_New(5) : NULL;
+    if (out == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(d);
+        Py_DECREF(event);
+        return -1;
+    }
+    PyTuple_SET_ITEM(out, 0, a);
+    PyTuple_SET_ITEM(out, 1, b);
+    PyTuple_SET_ITEM(out, 2, d);
+    PyTuple_SET_ITEM(out, 3, Py_NewRef(PyTuple_GET_ITEM(self->orderings, code)));
+    PyTuple_SET_ITEM(out, 4, event);
+    self->next = out;
+    return 1;
+}
+
+static PyObject *
+reader_peek(SlotReader *self, PyObject *unused)
+{
+    if (cursor_check(&self->c) < 0)
+        return NULL;
+    int got = reader_fill(self);
+    if (got < 0)
+        return NULL;
+    if (got == 0)
+        Py_RETURN_NONE;
+    return Py_NewRef(PyTuple_GET_ITEM(self->next, 0));
+}
+
+static PyObject *
+reader_spin_peek(SlotReader *self, PyObject *arg)
+{
+    Py_ssize_t loads = PyLong_AsSsize_t(arg);
+    if (loads == -1 && PyErr_Occurred())
+        return NULL;
+    if (cursor_check(&self->c) < 0)
+        return NULL;
+    if (self->next == NULL && self->head == self->seen_tail) {
+        uint64_t *t = u64p(&self->c.peer, self->c.out_tail_off);
+        for (Py_ssize_t i = 1; i < loads && __atomic_load_n(t, __ATOMIC_ACQUIRE) == self->head; i++)
+            cpu_relax();
+    }
+    int got = reader_fill(self);
+    if (got < 0)
+        return NULL;
+    if (got == 0)
+        Py_RETURN_NONE;
+    return Py_NewRef(PyTuple_GET_ITEM(self->next, 0));
+}
+
+static PyObject *
+reader_take(SlotReader *self, PyObject *unused)
+{
+    if (cursor_check(&self->c) < 0)
+        return NULL;
+    int got = reader_fill(self);
+    if (got < 0)
+        return NULL;
+    if (got == 0) {
+        PyErr_SetString(self->invalid, "ring: take() with no slot published");
+        return NULL;
+    }
+    PyObject *slot = self->next;  /* (the reference passes to the caller) */
+    self->next = NULL;
+    self->last_sock_seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(slot, 0));
+    self->head++;
+    /* release: this end's copy is done before the peer may reuse the slot */
+    __atomic_store_n(u64p(&self->c.mine, self->c.in_head_off), self->head, __ATOMIC_RELEASE);
+    return slot;
+}
+
+static PyObject *
+reader_close(SlotReader *self, PyObject *unused)
+{
+    cursor_release(&self->c);
+    Py_CLEAR(self->next);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+reader_head(SlotReader *self, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(self->head);
+}
+
+static PyObject *
+reader_seen_tail(SlotReader *self, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(self->seen_tail);
+}
+
+static PyObject *
+reader_last_sock_seq(SlotReader *self, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(self->last_sock_seq);
+}
+
+static PyObject *
+reader_pending(SlotReader *self, void *unused)
+{
+    return PyBool_FromLong(self->next != NULL);
+}
+
+static PyMethodDef reader_methods[] = {
+    {"peek", (PyCFunction)reader_peek, METH_NOARGS,
+     "peek() -> int | None: the sock_seq of the next published slot (copied out once and checked, kept for "
+     "take()), or None when none is published. ProtocolError: the peer's out_tail or the slot breaks the ring."},
+    {"spin_peek", (PyCFunction)reader_spin_peek, METH_O,
+     "spin_peek(loads) -> int | None: peek(), after up to loads looks at the peer's out_tail (a CPU pause "
+     "between two) while nothing is published. The GIL stays held: keep loads to a few microseconds' worth."},
+    {"take", (PyCFunction)reader_take, METH_NOARGS,
+     "take() -> (sock_seq, lease, layout, ordering, event or None): the slot peek() found (peeked now if none "
+     "was), consumed: the head moves on and is release-stored as in_head. The invalid class given: none is "
+     "published; ProtocolError: as peek()."},
+    {"close", (PyCFunction)reader_close, METH_NOARGS, "Let the regions' buffers go; later calls raise ValueError."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reader_getset[] = {
+    {"head", (getter)reader_head, NULL, "Slots of the peer's taken (this end's in_head).", NULL},
+    {"seen_tail", (getter)reader_seen_tail, NULL, "The peer's out_tail, as last loaded.", NULL},
+    {"last_sock_seq", (getter)reader_last_sock_seq, NULL, "The sock_seq of the last slot taken.", NULL},
+    {"pending", (getter)reader_pending, NULL, "Whether a slot was peeked and not taken.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SlotReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dmabuf_interop._atomic.SlotReader",
+    .tp_doc = "SlotReader(peer, mine, slots, layout, orderings, protocol_error, invalid, forked): the reading cursor of "
+              "the peer's message ring (its region peer, read-only; this end's in_head in mine).",
+    .tp_basicsize = sizeof(SlotReader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = reader_new,
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_traverse = (traverseproc)reader_traverse,
+    .tp_clear = (inquiry)reader_clear,
+    .tp_methods = reader_methods,
+    .tp_getset = reader_getset,
+};
+
+typedef struct {
+    PyObject_HEAD
+    CursorBase c;
+    uint64_t tail, peer_head;
+    int wake_fd;              /* the peer's wake socket (a datagram socket; not owned: the Rings' _Held owns it) */
+    PyObject *wake_failed;    /* wake_failed(errno) -> the exception of a failed wake-up send */
+} SlotWriter;
+
+static int
+writer_traverse(SlotWriter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->c.protocol_error);
+    Py_VISIT(self->c.forked);
+    Py_VISIT(self->wake_failed);
+    return 0;
+}
+
+static int
+writer_clear(SlotWriter *self)
+{
+    Py_CLEAR(self->c.protocol_error);
+    Py_CLEAR(self->c.forked);
+    Py_CLEAR(self->wake_failed);
+    return 0;
+}
+
+static void
+writer_dealloc(SlotWriter *self)
+{
+    PyObject_GC_UnTrack(self);
+    cursor_release(&self->c);
+    writer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"mine", "peer", "slots", "layout", "protocol_error", "forked", "wake_fd", "wake_failed",
+                             NULL};
+    PyObject *peer, *mine, *slots, *layout, *perr, *forked, *wake_failed;
+    int wake_fd;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOiO:SlotWriter", kwlist, &mine, &peer, &slots, &layout,
+                                     &perr, &forked, &wake_fd, &wake_failed))
+        return NULL;
+    if (wake_fd < 0 || !PyCallable_Check(wake_failed)) {
+        PyErr_SetString(PyExc_ValueError, "SlotWriter: wake_fd must be an fd, wake_failed callable");
+        return NULL;
+    }
+    SlotWriter *self = (SlotWriter *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (cursor_init(&self->c, mine, peer, slots, layout, perr, forked, 0) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->wake_fd = wake_fd;
+    self->wake_failed = Py_NewRef(wake_failed);
+    return (PyObject *)self;
+}
+
+/* Wake the peer: one byte to its wake socket, never waiting (Note [the wake fd], channel/_ring_region.py). A full
+ * socket holds wake-ups already; a peer's end that went is seen as the channel socket's hang-up. 0, or -1 with
+ * the error wake_failed(errno) returns set. */
+static int
+writer_wake(SlotWriter *self)
+{
+    ssize_t n;
+    do {
+        n = send(self->wake_fd, "\1", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n >= 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNRESET || errno == ECONNREFUSED)
+        return 0;
+    PyObject *exc = PyObject_CallFunction(self->wake_failed, "i", errno);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return -1;
+}
+
+/* The push itself (fields checked by the caller): 1 published (the peer woken if it sleeps), 0 full, -1 error. */
+static int
+writer_publish(SlotWriter *self, uint64_t sock_seq, uint64_t lease, uint32_t layout, unsigned code,
+               const unsigned char *event)
+{
+    CursorBase *c = &self->c;
+    uint64_t tail = self->tail;
+    if (tail - self->peer_head >= c->slots) {  /* the cached head says full: load the peer's (acquire) */
+        uint64_t head = __atomic_load_n(u64p(&c->peer, c->in_head_off), __ATOMIC_ACQUIRE);
+        if (head < self->peer_head || head > tail) {
+            PyErr_Format(c->protocol_error, "ring: the peer's in_head %llu is outside [%llu, %llu]",
+                         (unsigned long long)head, (unsigned long long)self->peer_head, (unsigned long long)tail);
+            return -1;
+        }
+        self->peer_head = head;
+        if (tail - head >= c->slots)
+            return 0;
+    }
+    unsigned char s[SLOT_SIZE];
+    memset(s, 0, SLOT_SIZE);
+    if (event != NULL) {
+        memcpy(s + 32, event, EVENT_SIZE);
+        s[29] = 1;
+    }
+    uint64_t seq = tail + 1;
+    memcpy(s + 8, &sock_seq, 8);
+    memcpy(s + 16, &lease, 8);
+    memcpy(s + 24, &layout, 4);
+    s[28] = (unsigned char)code;
+    uint64_t *p = u64p(&c->mine, c->slots_off + (Py_ssize_t)(tail & c->mask) * c->slot_bytes);
+    memcpy((char *)p + 8, s + 8, SLOT_SIZE - 8);
+    __atomic_store_n(p, seq, __ATOMIC_RELEASE);
+    __atomic_store_n(u64p(&c->mine, c->out_tail_off), seq, __ATOMIC_SEQ_CST);
+    uint64_t asleep = __atomic_load_n(u64p(&c->peer, c->asleep_off), __ATOMIC_SEQ_CST);
+    self->tail = seq;
+    if (asleep && writer_wake(self) < 0)
+        return -1;  /* (published all the same: the tail counts it) */
+    return 1;
+}
+
+/* push(sock_seq, lease, layout, code, event) -> bool: write and publish the next slot of this end's ring (its
+ * body, then seq release-stored; then the tail and the peer's asleep, seq_cst both: the Dekker step), and wake
+ * the peer if it sleeps. False: the ring is full, nothing written. Checked before anything is written:
+ * ValueError for a lease outside [1, 2**53), a code >= 3, an event not 64 bytes or given exactly when code is not
+ * EVENT_CODE; OverflowError for a value past its field; ProtocolError for the peer's in_head out of [its last
+ * value, this end's tail]; a failed wake-up send raises what wake_failed(errno) gives (the slot is out). */
+static PyObject *
+writer_push(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_ok(nargs, 5, "push"))
+        return NULL;
+    if (cursor_check(&self->c) < 0)
+        return NULL;
+    unsigned long long sock_seq, lease, layout, code;
+    if (u64_arg(args[0], &sock_seq) < 0 || u64_arg(args[1], &lease) < 0 || u64_arg(args[2], &layout) < 0
+        || u64_arg(args[3], &code) < 0)
+        return NULL;
+    if (layout > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "push: layout does not fit a u32");
+        return NULL;
+    }
+    PyObject *event = args[4];
+    if (lease == 0 || lease >= LEASE_LIMIT || code >= N_ORDERINGS || (event != Py_None) != (code == EVENT_CODE)) {
+        PyErr_SetString(PyExc_ValueError, "push: lease, ordering or event out of the slot's range");
+        return NULL;
+    }
+    unsigned char ev[EVENT_SIZE];
+    if (event != Py_None) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(event, &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (view.len != EVENT_SIZE) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "push: an event is 64 bytes");
+            return NULL;
+        }
+        memcpy(ev, view.buf, EVENT_SIZE);
+        PyBuffer_Release(&view);
+    }
+    int got = writer_publish(self, sock_seq, lease, (uint32_t)layout, (unsigned)code, event != Py_None ? ev : NULL);
+    if (got < 0)
+        return NULL;
+    return PyBool_FromLong(got);
+}
+
+/* push_plain(sock_seq, lease, layout) -> bool: push() of a slot with ordering "none" (code 2) and no event, a
+ * host array's repeat: the host lane's publish. */
+static PyObject *
+writer_push_plain(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_ok(nargs, 3, "push_plain"))
+        return NULL;
+    if (cursor_check(&self->c) < 0)
+        return NULL;
+    unsigned long long sock_seq, lease, layout;
+    if (u64_arg(args[0], &sock_seq) < 0 || u64_arg(args[1], &lease) < 0 || u64_arg(args[2], &layout) < 0)
+        return NULL;
+    if (layout > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "push_plain: layout does not fit a u32");
+        return NULL;
+    }
+    if (lease == 0 || lease >= LEASE_LIMIT) {
+        PyErr_SetString(PyExc_ValueError, "push_plain: lease outside [1, 2**53)");
+        return NULL;
+    }
+    int got = writer_publish(self, sock_seq, lease, (uint32_t)layout, NONE_CODE, NULL);
+    if (got < 0)
+        return NULL;
+    return PyBool_FromLong(got);
+}
+
+static PyObject *
+writer_close(SlotWriter *self, PyObject *unused)
+{
+    cursor_release(&self->c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+writer_tail(SlotWriter *self, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(self->tail);
+}
+
+static PyObject *
+writer_peer_head(SlotWriter *self, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(self->peer_head);
+}
+
+static PyMethodDef writer_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))writer_push, METH_FASTCALL,
+     "push(sock_seq, lease, layout, code, event) -> bool: publish the next slot and wake the peer if it sleeps "
+     "(False: the ring is full, nothing written). ValueError, OverflowError: a field out of range, nothing "
+     "written; ProtocolError: the peer's in_head out of range; what wake_failed(errno) gives: the wake-up's send "
+     "failed (the slot is out)."},
+    {"push_plain", (PyCFunction)(void (*)(void))writer_push_plain, METH_FASTCALL,
+     "push_plain(sock_seq, lease, layout) -> bool: push() of a slot with ordering 'none' and no event."},
+    {"close", (PyCFunction)writer_close, METH_NOARGS, "Let the regions' buffers go; later calls raise ValueError."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef writer_getset[] = {
+    {"tail", (getter)writer_tail, NULL, "Slots published (this end's out_tail).", NULL},
+    {"peer_head", (getter)writer_peer_head, NULL, "The peer's in_head, as last loaded.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SlotWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dmabuf_interop._atomic.SlotWriter",
+    .tp_doc = "SlotWriter(mine, peer, slots, layout, protocol_error, forked, wake_fd, wake_failed): the writing "
+              "cursor of this end's message ring (its region mine; the peer's in_head and asleep in peer; wake_fd "
+              "the peer's wake socket).",
+    .tp_basicsize = sizeof(SlotWriter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = writer_new,
+    .tp_dealloc = (destructor)writer_dealloc,
+    .tp_traverse = (traverseproc)writer_traverse,
+    .tp_clear = (inquiry)writer_clear,
+    .tp_methods = writer_methods,
+    .tp_getset = writer_getset,
+};
+
 /* --- module ------------------------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
@@ -691,14 +1188,6 @@ static PyMethodDef methods[] = {
      "of the u64 at peer[peer_off]: both checked before either is done."},
     {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL,
      "publish(buf, off, data): copy data[8:] to buf[off+8:], then release-store the u64 data[0:8] at buf[off]."},
-    {"read_slot", (PyCFunction)(void (*)(void))read_slot, METH_FASTCALL,
-     "read_slot(peer, off, seq, last_sock_seq, orderings) -> (sock_seq, lease, layout, ordering, event): one copy "
-     "of the ring slot at peer[off], checked (seq, sock_seq >= last_sock_seq, lease in [1, 2**53), the ordering "
-     "code and has_event); BadSlot(copied fields) where a check fails."},
-    {"push_slot", (PyCFunction)(void (*)(void))push_slot, METH_FASTCALL,
-     "push_slot(buf, off, seq, sock_seq, lease, layout, code, event, tail_off, peer, asleep_off) -> int: write a "
-     "ring slot at buf[off] (body, then seq release-stored), seq_cst-store seq at buf[tail_off], return the "
-     "seq_cst load of peer[asleep_off]; ValueError or OverflowError, nothing written, for a field out of range."},
     {"address", (PyCFunction)address, METH_O,
      "address(obj) -> int: the address of the first element of a buffer exporter (PyBUF_STRIDES: strided "
      "buffers too), as NumPy's ndarray.ctypes.data; BufferError (or TypeError) where it exports none."},
@@ -724,8 +1213,18 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__atomic(void)
 {
-    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&SpanType) < 0)
+    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SlotReaderType) < 0
+        || PyType_Ready(&SlotWriterType) < 0)
         return NULL;
+    static int atfork_done;
+    if (!atfork_done) {
+        int err = pthread_atfork(NULL, NULL, after_fork_child);
+        if (err != 0) {
+            errno = err;
+            return PyErr_SetFromErrnoWithFilename(PyExc_OSError, "pthread_atfork");
+        }
+        atfork_done = 1;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -735,12 +1234,12 @@ PyInit__atomic(void)
         Py_DECREF(m);
         return NULL;
     }
-    BadSlot = PyErr_NewExceptionWithDoc("dmabuf_interop._atomic.BadSlot",
-                                        "A ring slot that failed read_slot's checks; args[0]: its copied fields "
-                                        "(seq, sock_seq, lease, layout, code, has_event, event).",
-                                        PyExc_ValueError, NULL);
-    if (BadSlot == NULL || PyModule_AddObject(m, "BadSlot", Py_NewRef(BadSlot)) < 0
-        || PyModule_AddStringConstant(m, "SLOT_FORMAT", "<QQQIBB2x64s") < 0) {
+    if (PyModule_AddObject(m, "SlotReader", Py_NewRef((PyObject *)&SlotReaderType)) < 0
+        || PyModule_AddObject(m, "SlotWriter", Py_NewRef((PyObject *)&SlotWriterType)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(m, "SLOT_FORMAT", "<QQQIBB2x64s") < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -88,18 +88,26 @@ def test_an_interrupt_while_a_chunk_message_is_handled_ends_the_connection(pair,
     assert not unraisable
 
 
-def test_an_interrupt_between_an_arrival_taken_and_its_received_ends_the_connection(pair, monkeypatch,
-                                                                                   unraisable) -> None:
+@pytest.mark.parametrize("path", ["lane", "queue"])
+def test_an_interrupt_between_an_arrival_taken_and_its_received_ends_the_connection(pair, monkeypatch, unraisable,
+                                                                                   path) -> None:
     """The arrival is lost to the caller: its lease would be held for good, so the connection ends and the
-    peer completes it. Both the ring's lane (a block lent again) and the queue's path are taken."""
+    peer completes it. Both the ring's lane (a block lent again, its Received made by the lane) and the queue's
+    path (a repeat with meta, by the socket: the carrier's make_received) are taken."""
+    from dmabuf_interop.channel import _reader
+
     pool, prod, cons = pair
     a = pool.empty(8, "int64")
     a[:] = 1
     first = prod.send(a)
     cons.recv(5).release()
     first.wait(5)
-    monkeypatch.setattr(cons._carrier, "make_received", _once(Interrupt(), cons._carrier.make_received))
-    again = prod.send(a)  # a repeat through the ring
+    if path == "lane":
+        monkeypatch.setattr(_reader, "Received", _once(Interrupt(), _reader.Received))
+        again = prod.send(a)  # a repeat through the ring
+    else:
+        monkeypatch.setattr(cons._carrier, "make_received", _once(Interrupt(), cons._carrier.make_received))
+        again = prod.send(a, meta={"step": 1})  # a repeat by the socket
     with pytest.raises(Interrupt):
         cons.recv(5)
     _ended_by_interrupt(cons, "recv()")
@@ -250,11 +258,12 @@ def _producer_ended_by_interrupt(prod, block) -> None:
     assert isinstance(cause, LocalError) and "Interrupt" in str(cause), cause
 
 
-@pytest.mark.parametrize("where", ["ring slot", "socket message", "chunk announcement"])
+@pytest.mark.parametrize("where", ["ring slot", "ring slot, general path", "socket message", "chunk announcement"])
 def test_an_interrupt_after_a_send_went_out_and_before_its_lease_was_recorded_ends_the_connection(
         pair, monkeypatch, unraisable, where) -> None:
     """Else the peer's release of it would be one this end calls forged (a ProtocolError blaming the peer),
-    or a chunk or layout would be announced twice."""
+    or a chunk or layout would be announced twice. A ring slot goes out by the host lane's publish, or (a send
+    with an ordering asked: not the lane's case) by the general path's."""
     pool, prod, cons = pair
     a = pool.empty(8, "int64")
     a[:] = 5
@@ -265,11 +274,14 @@ def test_an_interrupt_after_a_send_went_out_and_before_its_lease_was_recorded_en
         cons.recv(5).release()
         first.wait(5)
         if where == "ring slot":
+            monkeypatch.setattr(prod._rings, "push_host", _after(Interrupt(), prod._rings.push_host))
+        elif where == "ring slot, general path":
             monkeypatch.setattr(prod._rings, "push_repeat", _after(Interrupt(), prod._rings.push_repeat))
         else:
             monkeypatch.setattr(prod._link, "send_locked", _after(Interrupt(), prod._link.send_locked))
     with pytest.raises(Interrupt):
-        prod.send(a if where != "socket message" else np.full(8, 6), timeout=5)
+        prod.send(a if where != "socket message" else np.full(8, 6), timeout=5,
+                  ordering="sync" if where == "ring slot, general path" else None)
     _producer_ended_by_interrupt(prod, a)
     # The consumer sees the end, never a broken protocol.
     with pytest.raises(PeerClosedError) as info:
@@ -395,7 +407,7 @@ def test_a_nested_send_cut_short_before_its_take_leaves_the_outer_send_its_hold(
     cons.recv(5).release()
     first.wait(5)
     seen: dict = {}
-    push = prod._rings.push_repeat
+    push = prod._rings.push_host
     lock = prod._link.lock
 
     def nested(*args):
@@ -417,7 +429,7 @@ def test_a_nested_send_cut_short_before_its_take_leaves_the_outer_send_its_hold(
         seen["published"] = True
         return got
 
-    monkeypatch.setattr(prod._rings, "push_repeat", nested)
+    monkeypatch.setattr(prod._rings, "push_host", nested)
     lease = prod.send(a, timeout=5)
     monkeypatch.undo()
     assert seen["nested"] == "interrupted" and seen["refused"] and seen["held"] and not seen["free"], seen
@@ -467,7 +479,7 @@ def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_
         first.wait(5)
     refused: list = []
     still_held: list = []
-    push = prod._rings.push_repeat
+    push = prod._rings.push_host
 
     def nested(*args):
         try:
@@ -477,7 +489,7 @@ def test_a_send_from_inside_this_threads_own_send_is_refused_and_the_first_goes_
         still_held.append(prod._link.held_here())  # the refusal let go of nothing: the outer send still holds it
         return push(*args)
 
-    monkeypatch.setattr(prod._rings, "push_repeat", nested)
+    monkeypatch.setattr(prod._rings, "push_host", nested)
     t0 = time.monotonic()
     lease = prod.send(a, timeout=5)
     monkeypatch.undo()

@@ -224,6 +224,38 @@ def test_a_recv_that_finds_nothing_waits_its_timeout_once(tmp_path: Path, spin: 
                 assert r.as_array().tolist() == [7, 7, 7, 7]
 
 
+def test_placements_at_one_address_are_told_apart_by_shape_strides_and_dtype(tmp_path: Path) -> None:
+    """The sender finds an array lent again by its address first (the last placement remembered there), then
+    by its whole signature: views of one block with other shapes, strides or dtypes, sent in turn, each arrive
+    as themselves, through the ring once their layouts are known; one forgotten (the table's limit) is no longer
+    current, and is placed and defined again."""
+    with SharedPool(None, chunk_bytes=1 << 16, max_bytes=1 << 20) as pool:
+        lst, prod, cons = _pair(str(tmp_path / "t.sock"), pool, True, True)
+        with lst, prod, cons:
+            a = pool.empty(16, "int32")
+            a[:] = range(16)
+            views = [a, a.reshape(4, 4), a[::2], a.view("uint8"), a[:8]]
+            pushes = prod._rings._out_tail
+            for step in range(3):
+                for v in views:
+                    lease = prod.send(v, timeout=5)
+                    with cons.recv(5) as r:
+                        got = r.as_array()
+                        assert got.shape == v.shape and got.dtype == v.dtype and (got == v).all()
+                    lease.wait(5)
+            assert prod._rings._out_tail - pushes == 2 * len(views)  # (the first round defines each by the socket)
+            before = prod._memos.values()
+            prod._memos.limit = 2  # each placement remembered from now on forgets the oldest
+            for v in [a[1:], a[2:], a[3:]] + views:
+                lease = prod.send(v, timeout=5)
+                with cons.recv(5) as r:
+                    assert r.as_array().shape == v.shape and (r.as_array() == v).all()
+                lease.wait(5)
+            kept = prod._memos.values()
+            assert all(m.current for m in kept) and all(not m.current for m in before if m not in kept)
+            assert any(m not in kept for m in before)
+
+
 def test_a_hello_says_whether_the_ring_is_offered(tmp_path: Path) -> None:
     addr = str(tmp_path / "h.sock")
     with listen(addr, ring=True) as lst:

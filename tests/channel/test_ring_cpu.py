@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dmabuf_interop import fdpass
+from dmabuf_interop import _atomic, fdpass
 from dmabuf_interop.channel import _ring
 from dmabuf_interop.channel._ring import (ASLEEP, IN_HEAD, LEASE_LIMIT, MAGIC, ORDERINGS, OUT_TAIL, REL_HEAD,
                                           REL_TAIL, REQUIRED_SEALS, SLEEP_ALL, SLEEP_SLOTS, SLOT_BYTES, SLOTS_OFFSET,
@@ -133,6 +133,47 @@ def _readable(fd: int, timeout: float = 0.0) -> bool:
 
 # --- the C extension -------------------------------------------------------------------------------------
 
+def test_the_ring_cursors_hold_their_regions_until_closed_and_check_what_they_are_given():
+    """A SlotReader and a SlotWriter (what an attached Rings reads and publishes through) hold a buffer of each
+    region while open, so neither mapping can be unmapped under them; closed, they refuse every call. A ring
+    that does not fit its region, or a field out of a slot's range, is refused before anything is written."""
+    a, b = _pair(4, 8, 4, 8)
+    try:
+        assert b.spin_peek(1000) is None  # nothing published: a bounded spin, then None
+        assert a.push_host(0, 7, 3) and b.spin_peek(1000) == 0
+        assert b.take_fields() == (0, 7, 3, "none", None)
+        writer, reader = a._writer, b._reader
+        assert writer.tail == 1 and reader.head == 1 and reader.last_sock_seq == 0 and not reader.pending
+        for bad in ((0, 0, 3), (0, LEASE_LIMIT, 3)):
+            with pytest.raises(ValueError):
+                a.push_host(*bad)
+        with pytest.raises(OverflowError):
+            a.push_host(0, 1, 2**32)
+        with pytest.raises(OverflowError):
+            a.push_host(-1, 1, 1)
+        assert writer.tail == 1  # (refused before anything was written)
+        with pytest.raises(BufferError):
+            a._held.mine.close()  # the writer, and the peer's reader, hold buffers of it
+        forked = lambda: ForkedResourceError("test", 1)  # noqa: E731
+        for slots, layout in ((1 << 20, _ring._LAYOUT), (3, _ring._LAYOUT), (4, (4096, 8, 64, 192, 320)),
+                              (4, (4096, 128, 64, 192, 1 << 30))):
+            with pytest.raises(ValueError):
+                _atomic.SlotReader(b._peer, b._mine, slots, layout, ORDERINGS, ProtocolError, InvalidArgumentError,
+                                   forked)
+        extra = _atomic.SlotReader(b._peer, b._mine, 4, _ring._LAYOUT, ORDERINGS, ProtocolError,
+                                   InvalidArgumentError, forked)
+        extra.close()
+        extra.close()  # (idempotent)
+        for call in (extra.peek, extra.take, lambda: extra.spin_peek(1)):
+            with pytest.raises(ValueError, match="closed"):
+                call()
+    finally:
+        a.close()
+        b.close()
+    assert a._held.mine is None and b._held.peer is None  # unmapped once the cursors let go
+    assert a.peek_sock_seq() is None and not a.push_host(0, 1, 1)  # closed: the class's own answers
+
+
 def test_atomic_checks_bounds_alignment_and_writability():
     from dmabuf_interop import _atomic
 
@@ -192,41 +233,49 @@ def test_atomic_checks_bounds_alignment_and_writability():
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sock_seq=st.integers(0, 2**64 - 1), lease=st.integers(1, LEASE_LIMIT - 1), layout=st.integers(0, 2**32 - 1),
        code=st.integers(0, len(ORDERINGS) - 1), event=st.binary(min_size=64, max_size=64))
-def test_push_slot_and_read_slot_code_slots_as_the_slot_format_does(sock_seq, lease, layout, code, event):
-    """The ring's C coding of a slot is the spec's struct (SLOT), both ways."""
-    from dmabuf_interop import _atomic
+def test_the_cursors_code_slots_as_the_slot_format_does(sock_seq, lease, layout, code, event):
+    """The ring's C coding of a slot (SlotWriter.push, SlotReader.take) is the spec's struct (SLOT), both ways;
+    a copy that fails a check is refused with what was wrong; a field out of range is refused before anything is
+    written."""
     from dmabuf_interop.channel._ring_region import EVENT_CODE, SLOT
 
     assert _atomic.SLOT_FORMAT == SLOT.format and SLOT.size <= SLOT_BYTES
     has = code == EVENT_CODE
-    mine, peer = bytearray(8 * 64), (3).to_bytes(8, "little")
-    mine_q = memoryview(mine).cast("Q")  # (a bytearray's buffer is 8-byte aligned in CPython; checked by at())
-    assert _atomic.push_slot(mine, 128, 7, sock_seq, lease, layout, code, event if has else None, 8, peer, 0) == 3
-    assert mine_q[1] == 7  # the tail
-    fields = SLOT.unpack_from(mine, 128)
-    assert fields == (7, sock_seq, lease, layout, code, has, event if has else bytes(64))
-    assert _atomic.read_slot(bytes(mine), 128, 7, sock_seq, ORDERINGS) == (
-        sock_seq, lease, layout, ORDERINGS[code], event if has else None)
-    # A copy that fails a check comes back whole, for the message.
-    for want, last in ((8, 0), (7, sock_seq + 1)):
-        if last >= 2**64:
-            continue
-        with pytest.raises(_atomic.BadSlot) as info:
-            _atomic.read_slot(bytes(mine), 128, want, last, ORDERINGS)
-        assert info.value.args == (7, sock_seq, lease, layout, code, has, event if has else bytes(64))
+    nbytes = region_bytes(4, 8)
+    mine, theirs = bytearray(nbytes), bytearray(nbytes)  # this end's region; the peer's (its in_head, asleep)
+    _Q.pack_into(theirs, ASLEEP, 0)
+    forked = lambda: ForkedResourceError("test", 1)  # noqa: E731
+    w = _atomic.SlotWriter(mine, theirs, 4, _ring._LAYOUT, ProtocolError, forked, 0, lambda e: OSError(e))
+    assert w.push(sock_seq, lease, layout, code, event if has else None) and w.tail == 1
+    assert _Q.unpack_from(mine, OUT_TAIL)[0] == 1
+    assert SLOT.unpack_from(mine, SLOTS_OFFSET) == (1, sock_seq, lease, layout, code, has, event if has else bytes(64))
+
+    def reader(region):
+        return _atomic.SlotReader(bytes(region), bytearray(nbytes), 4, _ring._LAYOUT, ORDERINGS, ProtocolError,
+                                  InvalidArgumentError, forked)
+
+    assert reader(mine).take() == (sock_seq, lease, layout, ORDERINGS[code], event if has else None)
     forged = bytearray(mine)
-    forged[128 + 28] = code ^ EVENT_CODE if code != 2 else 3  # ordering and has_event disagree, or no such code
-    with pytest.raises(_atomic.BadSlot):
-        _atomic.read_slot(bytes(forged), 128, 7, 0, ORDERINGS)
+    forged[SLOTS_OFFSET + 28] = code ^ EVENT_CODE if code != 2 else 3  # ordering and has_event disagree, or no code
+    with pytest.raises(ProtocolError, match="has ordering"):
+        reader(forged).peek()
+    forged = bytearray(mine)
+    _Q.pack_into(forged, SLOTS_OFFSET, 2)
+    with pytest.raises(ProtocolError, match="has seq 2, not 1"):
+        reader(forged).peek()
+    _Q.pack_into(forged, OUT_TAIL, 5)
+    with pytest.raises(ProtocolError, match="out_tail 5 is outside"):
+        reader(forged).peek()
     # Out of range: refused before anything is written.
     for bad in ((0, layout, code), (LEASE_LIMIT, layout, code), (lease, layout, 3)):
         with pytest.raises(ValueError):
-            _atomic.push_slot(mine, 256, 8, sock_seq, bad[0], bad[1], bad[2], event if has else None, 8, peer, 0)
+            w.push(sock_seq, bad[0], bad[1], bad[2], event if has else None)
     with pytest.raises(ValueError):
-        _atomic.push_slot(mine, 256, 8, sock_seq, lease, layout, code, None if has else event, 8, peer, 0)
+        w.push(sock_seq, lease, layout, code, None if has else event)
     with pytest.raises(OverflowError):
-        _atomic.push_slot(mine, 256, 8, sock_seq, lease, 2**32, code, event if has else None, 8, peer, 0)
-    assert mine_q[1] == 7 and not any(mine[256:384])
+        w.push(sock_seq, lease, 2**32, code, event if has else None)
+    assert w.tail == 1 and not any(mine[SLOTS_OFFSET + SLOT_BYTES:SLOTS_OFFSET + 2 * SLOT_BYTES])
+    w.close()
 
 
 def test_atomic_address_is_numpys_data_pointer():
@@ -755,13 +804,18 @@ def test_a_torn_slot_is_validated_as_copied_never_half_trusted(forged):
         with peer.reader() as r:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
-                r._next = None  # read slot 0 again, as if first seen (the tail says it is published)
+                # Slot 0 read again, as if first seen (the tail says it is published): a fresh cursor of the ring's
+                # kind over the same regions, whose take() gives the peeked copy.
+                cursor = _atomic.SlotReader(r._peer, r._mine, peer.slots, _ring._LAYOUT, ORDERINGS, ProtocolError,
+                                            InvalidArgumentError, lambda: None)
                 try:
-                    r.peek_sock_seq()
+                    cursor.peek()
+                    slot = RingSlot(*cursor.take())  # (the copy peek() made and checked)
                 except ProtocolError:
                     outcomes["refused"] += 1
                     continue
-                slot = RingSlot(*r._next)  # (the peeked fields, kept as a tuple for take)
+                finally:
+                    cursor.close()
                 _check_slot(slot)
                 key = (slot.sock_seq, slot.lease, slot.layout, slot.ordering)
                 outcomes[key] = outcomes.get(key, 0) + 1
@@ -1066,7 +1120,8 @@ def test_a_forked_child_has_no_mapping_and_its_close_leaves_the_parent_ring_work
             assert got == addr, (got, addr, ctypes.get_errno())  # free in the child: not inherited
             ctypes.memset(addr, 0x5A, size)
             for call in (lambda: a.try_push(RingSlot(1, 2, 1, "sync", None)), b.peek_sock_seq, b.take,
-                         b.take_releases, lambda: a.push_releases([1]), a.sleep_begin, a.sleep_end, a.offer):
+                         lambda: b.spin_peek(8), lambda: a.push_host(1, 3, 1), b.take_releases,
+                         lambda: a.push_releases([1]), a.sleep_begin, a.sleep_end, a.offer):
                 try:
                     call()
                 except ForkedResourceError:

@@ -35,8 +35,9 @@ import time
 from typing import Any
 
 from .. import _forks
-from .._time import deadline_after
-from ..errors import ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, LocalError, ProtocolError
+from .._time import LONGEST, check_timeout, deadline_after
+from ..errors import (ClosedError, DmaBufError, ForkedResourceError, InvalidArgumentError, LocalError, ProtocolError,
+                      SyscallError)
 from ._link import nested_send_error
 from ._reader import _ring_releases
 from ._ring_region import LEASE_LIMIT
@@ -104,18 +105,74 @@ class Lending:
     def _send_ready(self, array: Any, timeout: Any) -> Lease | None:
         """``send(array)`` in its steady state, in as few steps as it takes (Note [the steady-state lanes]): an
         array lent again where it lay, with no ``meta``, no stream and the channel's ordering, on a connection whose
-        ring is attached and whose peer's release ring is not backlogged (:meth:`_lend_again`). ``None``: another
-        case, nothing done (:meth:`_send_items` takes it). Raises as ``send``."""
+        ring is attached. ``None``: another case, nothing done (:meth:`_send_items` takes it). Raises as ``send``.
+
+        A host array's repeat is published in as few steps as :meth:`_lend_again` takes for it, and whatever can
+        wait comes after the slot is out (load-bearing: each step before it is the hand-off's): the deadline, made
+        only where the send lock is taken or the ring is full; the releases the peer's ring holds, taken when
+        it is half full (a full one would send them by the socket, behind this end's unread arrays); the time
+        of the send. A device array's repeat goes by :meth:`_lend_again`, its releases taken first."""
         rings = self._rings
         if rings is None or not rings.attached or self._owner != _forks.pid or self._proto.over:
             return None
-        deadline = deadline_after(timeout)  # checks it: a number of seconds >= 0, or None
-        if rings.releases_backlogged():
-            return None
+        t = timeout.__class__
+        if not ((t is float or t is int) and 0 <= timeout < LONGEST):  # (deadline_after's own fast check)
+            check_timeout(timeout)  # raises for one that is not a number of seconds >= 0 (or None)
         memo = self._memos.single_again(array)  # (its block referenced again)
         if memo is None:
             return None
-        return self._lend_again(memo, 0, self._carrier.forced_ordering or self.ordering, deadline)
+        if memo.dev_pool is not None:
+            if rings.releases_backlogged():
+                self._take_ring_releases()
+            return self._lend_again(memo, 0, self._carrier.forced_ordering or self.ordering, deadline_after(timeout))
+        # _lend_again's ring path for host memory (ordering "none", no event), flat.
+        lease = None
+        lease_id = next_lease_id()
+        link = self._link
+        pushing = False
+        lock = link.lock
+        try:
+            # The send lock's take as _lend_again's (Note [the send lock's owner], in ._link).
+            if lock._is_owned():
+                raise nested_send_error()
+            try:
+                if not lock.acquire(False):
+                    link.wait_by(deadline_after(timeout))
+                with self._state_lock:
+                    pushing = True  # (from here to the record the slot may be out)
+                    if not self._proto.can_send:  # (_push's checks, then Rings.push_host's publish)
+                        raise link.ended()
+                    layout = memo.layout
+                    # (MemoTable.is_current, inline)
+                    if (memo.current and layout is not None and layout <= _MAX_SLOT_LAYOUT and lease_id < LEASE_LIMIT
+                            and rings.push_host(link.sent, lease_id, layout)):
+                        # (the slot went out before the lease was made: the peer's work begins that much sooner)
+                        lease = Lease(lease_id, memo.blocks, None, None, self._waits)
+                        self._proto.lend(lease_id, lease)
+                    pushing = False
+            finally:
+                if lock._is_owned():
+                    link.release()
+        except BaseException as exc:
+            if pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError)):
+                # An interrupt, or the wake-up's send failing after the publish: the slot may be out, unrecorded.
+                self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
+            elif lease is None:  # (nothing lent: the reference goes back)
+                memo.by_pool[0][0]._unref_many(memo.blocks)
+            if isinstance(exc, ProtocolError):  # (push_host: the peer's in_head out of range)
+                self._waits._fail(exc)
+                raise link.ended() from exc
+            raise
+        finally:
+            if self._reader is None:  # (as _lend_out: the end of a connection a failed send broke is seen too)
+                self._reader_after_send()
+        if lease is None:  # (the ring full, the memo's layout no longer the peer's: by the socket)
+            return self._lend_out(memo.blocks, memo.placed, None, "none", None, None, None, memo,
+                                  deadline_after(timeout))
+        self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
+        if rings.releases_backlogged():
+            self._take_ring_releases()
+        return lease
 
     def _lend_again(self, memo: Memo, stream: int, ordering: str, deadline: float | None) -> Lease:
         """Lend ``memo``'s one array again (its block referenced again), its writes on ``stream`` ordered
@@ -161,7 +218,8 @@ class Lending:
                     if lock._is_owned():
                         link.release()
             except BaseException as exc:
-                if pushing and not isinstance(exc, Exception):  # an interrupt: the slot may be out, unrecorded
+                if pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError)):
+                    # An interrupt, or the wake-up's send failing after the publish: the slot may be out, unrecorded.
                     self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
                 elif lease is None:  # (nothing lent: the reference and the event go back)
                     memo.by_pool[0][0]._unref_many(memo.blocks)

@@ -77,6 +77,7 @@ from ._spin import AdaptiveSpin
 from ._torch_views import LayoutViews
 from .handshake import HANDSHAKE_MAX_FRAME
 from .protocol import parse_message
+from .received import Hold, Received
 from .sending import MemoTable
 from .wire import shut_down
 
@@ -88,8 +89,10 @@ _get_ident = threading.get_ident
 _monotonic = time.monotonic
 _RING = object()  # (Reading._arrived) the next message is the peer ring's next slot
 _UNSET = object()  # (Reading._next) no deadline given
-#: Checks of the socket while a ``recv`` spins on the ring: one ``poll(0)`` every this many looks at the ring.
-_SPIN_SOCKET_EVERY = 32
+#: Checks of the socket while a ``recv`` spins on the ring: one ``poll(0)`` every this many calls of Rings.spin_peek.
+_SPIN_SOCKET_EVERY = 4
+#: A spinning recv's looks at the peer's ring per call (Rings.spin_peek: 1-3 us on the machines measured)
+_SPIN_LOADS = 64
 #: Seconds a ring slot may wait for the socket messages the peer sent before it (they are in this end's socket
 #: already when the peer is sound; a peer whose slot names messages it never sent has broken the protocol).
 ORDER_WAIT = 1.0
@@ -509,14 +512,15 @@ class Reading:
                     with self._state:
                         self._state.notify_all()  # a thread waiting above may now read
 
-    def _recv_ready(self, deadline: float | None, spin: float | str) -> tuple[ArraysArrived, dict[int, Any]] | None:
+    def _recv_ready(self, deadline: float | None, spin: float | str, stream: int) -> Any:
         """``recv()``'s steady state, in as few steps as it takes (Note [the steady-state lanes], in
         :mod:`._lending`): with nothing queued, no background reader and the peer's ring attached, wait for the
         ring's next slot as :meth:`_arrived` does (:meth:`_wait_both`: the socket too, ``spin``, the sleep) and,
-        when it is next in the peer's order and repeats one array's layout, take it without queueing it: its
-        arrival and its chunks, retained (:meth:`_take_slot`). ``None``: anything else, read by :meth:`_read_one`
-        here (a socket message first, a batch, the deadline passed, the end of the connection), or another thread
-        reads: :meth:`_next` takes it from there, with the same deadline."""
+        when it is next in the peer's order and repeats one array's layout, take it without queueing it: the
+        :class:`.received.Received` of its array, ``stream`` (a raw handle) made to wait on its event
+        (:meth:`_take_ready`). ``None``: anything else, read by :meth:`_read_one` here (a socket message first, a
+        batch, the deadline passed, the end of the connection), or another thread reads: :meth:`_next` takes it
+        from there, with the same deadline."""
         conn = self._conn
         rings = conn.rings
         if (rings is None or self._reader is not None or self._queue or self._releases.pending
@@ -527,14 +531,16 @@ class Reading:
             return None
         self._read_owner = _get_ident()
         try:
-            while not self._proto.ended:
-                seq = rings.peek_sock_seq()
+            proto, peek = self._proto, rings.peek_sock_seq
+            seq = peek()
+            while not proto.ended:
                 if seq is None:
                     # (A socket message read, or bytes of one buffered, come first: poll would not show them.)
                     if conn.ahead is None and not self._frames.buffered() and self._wait_both(deadline, spin) is False:
-                        continue  # the ring may hold something
+                        seq = peek()  # the ring may hold something
+                        continue
                 elif seq == conn.sock_next:
-                    return self._take_slot(True)
+                    return self._take_ready(stream)
                 # Anything else is read here, under the same hold of the lock, as _next would read it (a socket
                 # message handled or queued, the end of the connection ended in this thread); _next goes on.
                 self._read_one(deadline, spin)
@@ -733,10 +739,10 @@ class Reading:
             try:
                 if spin > 0:  # load-bearing for latency: a consumer awake when the slot lands pays no wake-up
                     until = _monotonic() + (spin if left is None else min(spin, left))
-                    peek = rings.peek_sock_seq
+                    peek = rings.spin_peek
                     n = 0
                     while True:
-                        if peek() is not None:
+                        if peek(_SPIN_LOADS) is not None:
                             return False
                         n += 1
                         if n % _SPIN_SOCKET_EVERY == 0:
@@ -811,27 +817,63 @@ class Reading:
                                     f"message: the connection was ended"))
         self._end()
 
-    def _take_slot(self, take: bool = False) -> tuple[ArraysArrived, dict[int, Any]] | None:
+    def _take_ready(self, stream: int) -> Any:
+        """(:meth:`_recv_ready`, under the read lock.) Take the peer ring's next slot, one array's repeat, as
+        :meth:`_take_slot` would and without the queue: its :class:`.received.Received`, ``stream`` made to wait
+        on its event where it has one; ``None`` where the slot held no array (an arrival dropped while the
+        connection closes) or broke the protocol (the connection has ended).
+
+        Speed (load-bearing: a consumer pays each step between the slot's landing and ``recv``'s return): the
+        layout repeated as defined is taken by :meth:`._state.ConnectionState.receive_slot_as_defined`, and its
+        Received made here, with no event record, no base64 and no list between them; any other slot goes by
+        :meth:`._state.ConnectionState.receive_slot` and the carrier's ``make_received``."""
+        conn = self._conn
+        try:
+            conn.taking = _get_ident()  # (before the slot is taken: Note [interrupted handling])
+            _, lease, layout, ordering, event = conn.rings.take_fields()
+            with self._state_lock:
+                found = self._proto.receive_slot_as_defined(lease, layout, ordering, event is not None)
+                if found is not None:
+                    d = found.descs[0]
+                    chunk = self._imports[d.chunk]  # (a single array lies in one chunk)
+                    chunk.retain()  # (the hold takes it over)
+                else:  # (any other slot: as _take_slot, its arrival kept out of the queue)
+                    events = self._slot_events(lease, layout, ordering, event)
+                    if not (events and events[0].kind == "array"):  # (a slot's events: its arrival, or none)
+                        self._queue_arrivals(events)
+                        return None
+                    ev = events[0]
+                    chunks = self._retain_chunks(ev)
+        except (DmaBufError, OSError, ValueError) as exc:
+            self._proto.fail(exc)
+            self._end()
+            return None
+        except Exception as exc:  # noqa: BLE001 - as in _take
+            self._fail_here("repeat", exc)
+            return None
+        except BaseException as exc:  # as in _take
+            self._interrupted_here("repeat", exc)
+            raise
+        # (From here on as recv's make_received of a queued arrival: what it raises is recv's, Note [interrupted
+        # handling].)
+        if found is None:
+            return self._carrier.make_received(self, lease, ev.descs, stream, ev.ordering, chunks)[0]
+        if ordering != "event":  # (the carrier's make_received of one array, with no event to wait on)
+            return Received(Hold(self, lease, [chunk], 1, stream, ordering, adopt=True), d, chunk)
+        return self._carrier.make_received(self, lease, found.descs, stream, ordering, {d.chunk: chunk})[0]
+
+    def _take_slot(self) -> None:
         """Take the peer ring's next slot (copied out and checked by :meth:`._ring.Rings.take_fields`) and hand
         it to the protocol state as the ``repeat`` it carries, queueing what arrived, as :meth:`_take` and
-        :meth:`_handle` do for a socket message; a slot that breaks the protocol ends the connection. ``take``:
-        one array's arrival is returned with its chunks (retained, as the queue retains them), not queued
-        (:meth:`_recv_ready`).
+        :meth:`_handle` do for a socket message; a slot that breaks the protocol ends the connection.
 
         Speed (load-bearing: a consumer pays each call between its wake-up and ``recv``'s return): one call from
         the slot to the queue; no record made for the slot, no loop over a socket message's events (a repeat's
         are its arrival alone)."""
         try:
-            if take:
-                self._conn.taking = _get_ident()  # (before the slot is taken: Note [interrupted handling])
             _, lease, layout, ordering, event = self._conn.rings.take_fields()
             with self._state_lock:  # (the Condition's own lock: notify_all in _queue_arrivals works under it)
-                events = self._proto.receive_slot(lease, layout, ordering,
-                                                  None if event is None else base64.b64encode(event).decode())
-                if take and events and events[0].kind == "array":  # (a slot's events: its arrival, or none)
-                    ev = events[0]
-                    return ev, self._retain_chunks(ev)
-                self._queue_arrivals(events)
+                self._queue_arrivals(self._slot_events(lease, layout, ordering, event))
         except (DmaBufError, OSError, ValueError) as exc:
             self._proto.fail(exc)
             self._end()
@@ -840,7 +882,12 @@ class Reading:
         except BaseException as exc:  # as in _take
             self._interrupted_here("repeat", exc)
             raise
-        return None
+
+    def _slot_events(self, lease: int, layout: int, ordering: str, event: bytes | None) -> list[Event]:
+        """(Under the state lock.) What the protocol state makes of a slot's fields: the ``repeat`` it carries.
+        Raises ProtocolError as :meth:`._state.ConnectionState.receive_slot` (the connection has ended)."""
+        return self._proto.receive_slot(lease, layout, ordering,
+                                        None if event is None else base64.b64encode(event).decode())
 
     def _retain_chunks(self, ev: ArraysArrived) -> dict[int, Any]:
         """(Under the state lock.) The chunks ``ev``'s arrays lie in, by id, each retained: mapped until received,

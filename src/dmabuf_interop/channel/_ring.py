@@ -10,12 +10,13 @@ check are specified in ``docs/protocol.md`` ("Shared-memory ring"); this module 
 mapping); where it is not built the ring is not offered (:func:`ring_unavailable`).
 
 Note [the peer's region]. The peer may rewrite its region at any moment, so every value taken from it is
-copied out exactly once (:func:`dmabuf_interop._atomic.read_slot` copies a slot and checks the copy; release
-entries are copied by ``tolist()``) and only the copy is checked and used. A slot torn by a concurrent
-rewrite is then a mix of field values, each checked like any other; a slot overwritten after the tail said it
-was published shows a wrong ``seq``. Counters the peer publishes must move forward and stay within a ring's
-length of what this end consumed; anything else is a :class:`~..errors.ProtocolError`. This end never reads
-its own region back (its counters live in Python attributes); the peer cannot write it (``F_SEAL_FUTURE_WRITE``).
+copied out exactly once (the peer ring's reading cursor, :class:`dmabuf_interop._atomic.SlotReader`, copies a
+slot and checks the copy; release entries are copied by ``tolist()``) and only the copy is checked and used. A
+slot torn by a concurrent rewrite is then a mix of field values, each checked like any other; a slot overwritten
+after the tail said it was published shows a wrong ``seq``. Counters the peer publishes must move forward and stay
+within a ring's length of what this end consumed; anything else is a :class:`~..errors.ProtocolError`. This end
+never reads its own region back (its counters live in its cursors and in Python attributes); the peer cannot
+write it (``F_SEAL_FUTURE_WRITE``).
 
 Note [the wake fd] (in :mod:`._ring_region`): why a sleeping end is woken through a datagram socket.
 
@@ -51,7 +52,8 @@ itself), at the cost of at most one wake-up per bound while a producer keeps sen
 ``Channel.outstanding`` poll: they take the releases themselves, with no need to be woken.
 
 Threads. A :class:`Rings` takes no lock. Its caller serialises the calls of each of four groups:
-``try_push`` (and ``push_repeat``); ``peek_sock_seq``, ``take``, ``sleep_begin`` and ``sleep_end``; ``push_releases``;
+``try_push`` (and ``push_repeat``, ``push_host``); ``peek_sock_seq``, ``spin_peek``, ``take`` (``take_fields``),
+``sleep_begin`` and ``sleep_end``; ``push_releases``;
 ``take_releases`` and ``want_releases``. Each group writes its own counters, so the four may run in four
 threads (``sleep_begin`` reads ``take_releases``'s head: a stale value only makes it decline to sleep;
 ``releases_backlogged``, called by any sender, reads it too: a stale value only makes it take the releases a
@@ -60,20 +62,19 @@ call early or late).
 leaves an awake end marked asleep until its next ``sleep_begin`` or ``sleep_end``, which costs the peer a
 spare wake-up and nothing else. ``attach`` and ``close`` run alone.
 
-Speed (load-bearing). Measured with CPython 3.11.7 on the 2-core x86-64 CPU machine (load average near 4),
-two ``Rings`` of the default lengths attached in one process, a loop of 200 calls timed, median of 300 loops,
-two runs: ``try_push`` 0.5-0.8 us (and one wake-up ``send`` more when the peer sleeps: with the sleeper's
-``recv`` that drains it, 4.5-7.4 us more, at load average 0.4); ``peek_sock_seq``
-0.1-0.2 us with nothing published; ``peek_sock_seq`` + ``take`` 1.7-2.5 us a slot (0.6 us of it builds the
-frozen ``RingSlot``, which ``take_fields``, the reader's call, does not: about 0.65 us for the pair with it, push
-not counted, measured later at load average near 0); ``push_releases`` of one id 0.8-1.3 us; ``take_releases``
-0.1-0.2 us with none, about 1.2 us for one; ``sleep_begin`` + ``sleep_end`` 1.8-2.0 us (a ``recv`` that finds
-nothing). The tricks: the peer's heads are cached and loaded again only when the cache says full; a peeked slot is
-kept for ``take``; a slot is written, published and followed by the Dekker step in one C call
-(:func:`dmabuf_interop._atomic.push_slot`), and copied and checked in one (``read_slot``), which took a push and
-take of one slot (``push_repeat``, ``peek_sock_seq``, ``take_fields``) from 1.43 to 0.98 us warm (the best of five
-loops of 20,000, two runs); the atomics are ``METH_FASTCALL`` C functions bound to module globals; this end's
-counters are Python ints, never read back from the region.
+Speed (load-bearing). The message rings' hot state lives in two C objects made by :meth:`Rings.attach`: this end's
+ring's writing cursor (:class:`dmabuf_interop._atomic.SlotWriter`: its tail, the peer's head as last loaded) and
+the peer ring's reading cursor (:class:`dmabuf_interop._atomic.SlotReader`: this end's head, the peer's tail as
+last loaded, the slot peeked and not taken). Each holds a buffer of both regions for its life, so a publish (the
+slot's body, its ``seq`` released, the tail and the Dekker step, the wake-up), a look (``peek``, or ``spin_peek``:
+up to a given number of looks at the tail, a CPU pause between two) and a take are each one C call, bound on the
+instance over this class's methods, with no Python frame between the channel and the shared memory. Measured with
+CPython 3.11.7 on the 2-core x86-64 CPU machine, both ends of a channel in one process, a host pool's 4 KiB
+blocks, 20,000 hand-offs, the 10th percentile of ``recv``: 2.97 us with the cursors in Python attributes before
+(a slot copied and checked in one C call, ``read_slot``, and the rest in Python), 2.49 us with these. The tricks
+kept from before: the peer's heads are cached and loaded again only
+when the cache says full; a peeked slot is kept for ``take``; the release ring's atomics are ``METH_FASTCALL`` C
+functions bound to module globals.
 """
 
 from __future__ import annotations
@@ -103,15 +104,14 @@ except ImportError as _exc:  # not built: no compiler where the package was inst
                 f"when the package is installed (`pip install -e .` builds it into a source tree) ({_exc})")
 else:
     _MISSING = ""
-if _atomic is not None and not hasattr(_atomic, "push_slot"):  # a build older than this source (built in place)
-    _MISSING = ("the C extension dmabuf_interop._atomic was built from an older source (it lacks push_slot): "
+if _atomic is not None and not hasattr(_atomic, "SlotWriter"):  # a build older than this source (built in place)
+    _MISSING = ("the C extension dmabuf_interop._atomic was built from an older source (it lacks SlotWriter): "
                 "rebuild it (`pip install -e .`, or `python setup.py build_ext --inplace`)")
     _atomic = None  # type: ignore[assignment]
 if _atomic is not None:
     # Module globals: one dict lookup a call, not two (load-bearing on the hot paths below).
-    _load, _store, _load_seq, _store_seq, _store_load, _read, _push, _BadSlot = (
-        _atomic.load, _atomic.store, _atomic.load_seq, _atomic.store_seq, _atomic.store_load, _atomic.read_slot,
-        _atomic.push_slot, _atomic.BadSlot)
+    _load, _store, _load_seq, _store_seq, _store_load = (
+        _atomic.load, _atomic.store, _atomic.load_seq, _atomic.store_seq, _atomic.store_load)
 
 __all__ = ["RING_VERSION", "RingSlot", "Rings", "ring_unavailable", "region_bytes", "MAX_SLOTS",
            "MAX_RELEASE_SLOTS", "ORDERINGS"]
@@ -146,6 +146,14 @@ def ring_unavailable() -> str | None:
 
 
 _DONTWAIT = socket.MSG_DONTWAIT
+_NONE_CODE = ORDER_CODE["none"]
+#: The region's layout as the cursors take it: (slots offset, slot bytes, out_tail, in_head, asleep).
+_LAYOUT = (SLOTS_OFFSET, SLOT_BYTES, OUT_TAIL, IN_HEAD, ASLEEP)
+def _wake_failed(err: int) -> SyscallError:
+    """The error of a wake-up ``send`` that failed with ``err`` (a cursor's: Note [the wake fd])."""
+    return SyscallError("send", err)
+
+
 #: Wake-ups read from the wake socket at most per :meth:`Rings.sleep_end`.
 _DRAIN = 64
 
@@ -153,16 +161,20 @@ _DRAIN = 64
 class _Held:
     """What a :class:`Rings` owns, apart from it so that its ``weakref.finalize`` can close it."""
 
-    __slots__ = ("mine", "peer", "views", "fds", "socks")
+    __slots__ = ("mine", "peer", "cursors", "views", "fds", "socks")
 
     def __init__(self) -> None:
         self.mine: Any = None    # this end's region, mapped read-write
         self.peer: Any = None    # the peer's, mapped read-only
+        self.cursors: list[Any] = []  # the message rings' SlotReader and SlotWriter: they hold buffers of both
         self.views: list[memoryview] = []
         self.fds: list[int] = []  # the memfd
         self.socks: list[socket.socket] = []  # this end's wake socketpair, a dup of the peer's wake socket
 
     def close(self) -> None:
+        for cursor in self.cursors:
+            cursor.close()  # (their buffers go first: a mapping with a buffer out refuses to close)
+        self.cursors.clear()
         for view in self.views:
             view.release()
         self.views.clear()
@@ -242,25 +254,20 @@ class Rings:
         self._finalizer = weakref.finalize(self, held.close)
         self._owner = _forks.pid  # Note [ring and fork]
         self._mine = held.mine
-        self._mask = slots - 1
         self._rel_mask = release_slots - 1
         # This end's region as u64 entries: the release ring is written through it.
         self._mine_q = memoryview(held.mine).cast("Q")
         held.views.append(self._mine_q)
         self._rel_base = (SLOTS_OFFSET + slots * SLOT_BYTES) // 8
-        # This end's counters (the region holds copies for the peer; never read back).
-        self._out_tail = 0      # slots published
+        # This end's release ring counters (the region holds copies for the peer; never read back). The message
+        # rings' are their cursors' (made by attach: _atomic.SlotWriter for this end's, SlotReader for the peer's).
         self._rel_tail = 0      # release ids published
-        self._in_head = 0       # the peer's slots consumed
         self._rel_head = 0      # the peer's release ids consumed
         # What this end last saw of the peer's counters (they only move forward).
-        self._peer_in_head = 0  # cached: loaded again only when the ring looks full
         self._peer_rel_head = 0
-        self._seen_tail = 0     # the peer's out_tail, last loaded
         self._asleep = AWAKE    # what this end last stored in its asleep
-        self._last_sock_seq = 0
-        # Peeked, not yet taken: (sock_seq, lease, layout, ordering, event), a tuple (a frozen RingSlot costs 0.6 us).
-        self._next: tuple[int, int, int, str, bytes | None] | None = None
+        self._reader: Any = None
+        self._writer: Any = None
         self._peer: Any = None
         self._peer_q: memoryview | None = None
         self._peer_wake: socket.socket | None = None
@@ -346,9 +353,21 @@ class Rings:
         self._peer_wake = peer_wake
         self._peer_q = memoryview(peer).cast("Q")
         held.views.append(self._peer_q)
+        # (A plain function, not a bound method: no cycle through this object, whose collection closes it.)
+        forked = functools.partial(ForkedResourceError, "a channel's shared-memory ring", self._owner)
+        reader = _atomic.SlotReader(peer, held.mine, slots, _LAYOUT, ORDERINGS, ProtocolError, InvalidArgumentError,
+                                    forked)
+        held.cursors.append(reader)
+        writer = _atomic.SlotWriter(held.mine, peer, self.slots, _LAYOUT, ProtocolError, forked, peer_wake.fileno(),
+                                    _wake_failed)
+        held.cursors.append(writer)
+        self._reader, self._writer = reader, writer
+        # Load-bearing: a consumer's look at the ring and its take, and the host lane's publish, are the cursors'
+        # C methods, called with no Python frame between (bound over this class's methods, which answer for a ring
+        # not attached; close() unbinds them).
+        self.peek_sock_seq, self.spin_peek, self.take_fields = reader.peek, reader.spin_peek, reader.take
+        self.push_host = writer.push_plain
         self._peer = peer
-        self._peer_slots = slots
-        self._peer_mask = slots - 1
         self._peer_rel_mask = release_slots - 1
         self._peer_release_slots = release_slots
         self._peer_rel_base = (SLOTS_OFFSET + slots * SLOT_BYTES) // 8
@@ -387,32 +406,40 @@ class Rings:
         hot path. Returns and raises as :meth:`try_push`."""
         if self._owner != _forks.pid:
             raise self._forked()
-        peer = self._peer
-        if peer is None:
+        writer = self._writer
+        if writer is None:
             return False
-        tail = self._out_tail
-        if tail - self._peer_in_head >= self.slots:  # cached head says full: load the peer's (acquire)
-            head = _load(peer, IN_HEAD)
-            if not self._peer_in_head <= head <= tail:
-                raise ProtocolError(f"ring: the peer's in_head {head} is outside [{self._peer_in_head}, {tail}]")
-            self._peer_in_head = head
-            if tail - head >= self.slots:
-                return False
         code = ORDER_CODE.get(ordering)
         if code is None or type(lease) is not int or (event is not None and type(event) is not bytes):
             raise InvalidArgumentError(f"ring: cannot carry {RingSlot(sock_seq, lease, layout, ordering, event)!r}")
         try:
-            # The slot's body, then its seq (release); then the tail and the peer's asleep, seq_cst both: the
-            # store before the load (the Dekker step). Every field checked before anything is written.
-            asleep = _push(self._mine, SLOTS_OFFSET + (tail & self._mask) * SLOT_BYTES, tail + 1, sock_seq, lease,
-                           layout, code, event, OUT_TAIL, peer, ASLEEP)
+            # (the cursor: the cached peer head, loaded again when it says full; the slot's body, then its seq,
+            # release; then the tail and the peer's asleep, seq_cst both, the Dekker step, and the wake-up; every
+            # field checked before anything is written)
+            return writer.push(sock_seq, lease, layout, code, event)
         except (ValueError, OverflowError, TypeError) as exc:
             raise InvalidArgumentError(f"ring: cannot carry {RingSlot(sock_seq, lease, layout, ordering, event)!r}: "
                                        f"{exc}") from exc
-        self._out_tail = tail + 1
-        if asleep:
-            self._wake()
-        return True
+
+    def push_host(self, sock_seq: int, lease: int, layout: int) -> bool:
+        """:meth:`push_repeat` of a repeat with ordering ``"none"`` and no event: the host lane's publish (the
+        attached ring's is its cursor's ``push_plain``, bound over this method, which answers False: no peer region
+        attached). Returns as :meth:`push_repeat`.
+
+        Raises:
+            ValueError, OverflowError: ``lease`` outside ``[1, 2**53)``, ``layout`` not a u32 (nothing written).
+            ProtocolError: as :meth:`try_push`.
+            SyscallError: the wake-up's ``send`` failed, after the slot went out.
+            ForkedResourceError: inherited through ``fork()``.
+        """
+        if self._owner != _forks.pid:
+            raise self._forked()
+        return False
+
+    # The peer ring's reads: the methods below answer while no peer region is attached (or after close());
+    # attach() binds the attached ring's SlotReader methods over them (peek, spin_peek, take: one C call each,
+    # which copy a slot out once, check the copy as Note [the peer's region] says, raise ProtocolError with what
+    # was wrong, and refuse a forked child's call with ForkedResourceError).
 
     def peek_sock_seq(self) -> int | None:
         """``sock_seq`` of the next published slot of the peer's ring (copied out and validated, kept for
@@ -426,45 +453,13 @@ class Rings:
         """
         if self._owner != _forks.pid:
             raise self._forked()
-        slot = self._next
-        if slot is not None:
-            return slot[0]
-        peer = self._peer
-        if peer is None:
-            return None
-        head = self._in_head
-        if head == self._seen_tail:
-            tail = _load(peer, OUT_TAIL)  # acquire: the slots it covers are read after it
-            if tail == head:
-                return None
-            if not head < tail <= head + self._peer_slots:
-                raise ProtocolError(f"ring: the peer's out_tail {tail} is outside ({head}, {head + self._peer_slots}]")
-            self._seen_tail = tail
-        slot = self._next = self._read_slot(head)
-        return slot[0]
+        return None
 
-    def _read_slot(self, head: int) -> tuple[int, int, int, str, bytes | None]:
-        # One copy of every field (Note [the peer's region]), checked, never read again: read_slot copies the slot
-        # and checks the copy; where a check fails it hands the copy over, and _refuse_slot says what was wrong.
-        try:
-            return _read(self._peer, SLOTS_OFFSET + (head & self._peer_mask) * SLOT_BYTES, head + 1,
-                         self._last_sock_seq, ORDERINGS)
-        except _BadSlot as exc:
-            raise self._refuse_slot(head, *exc.args) from None
-
-    def _refuse_slot(self, head: int, seq: int, sock_seq: int, lease: int, layout: int, code: int, has_event: int,
-                     event: bytes) -> ProtocolError:
-        """The ProtocolError for the copy of slot ``head`` that :func:`dmabuf_interop._atomic.read_slot` refused."""
-        if seq != head + 1:
-            return ProtocolError(f"ring: slot {head} has seq {seq}, not {head + 1}")
-        if sock_seq < self._last_sock_seq:
-            return ProtocolError(f"ring: slot {head} has sock_seq {sock_seq}, before the last slot's "
-                                f"{self._last_sock_seq}")
-        if not 0 < lease < LEASE_LIMIT:
-            return ProtocolError(f"ring: slot {head} has lease {lease}, outside [1, 2**53)")
-        if code >= len(ORDERINGS) or has_event != (code == EVENT_CODE):
-            return ProtocolError(f"ring: slot {head} has ordering {code} and has_event {has_event}")
-        return ProtocolError(f"ring: slot {head} refused: {(seq, sock_seq, lease, layout, code, has_event)}")
+    def spin_peek(self, loads: int) -> int | None:
+        """:meth:`peek_sock_seq`, after up to ``loads`` looks at the peer's ``out_tail`` (one C call, a CPU pause
+        between two looks) while nothing is published: a spinning consumer's look, which sees a slot within
+        nanoseconds of its publication. Raises as :meth:`peek_sock_seq`."""
+        return self.peek_sock_seq()
 
     def take(self) -> RingSlot:
         """The next slot of the peer's ring (as :meth:`peek_sock_seq` checked it); marks it consumed
@@ -481,17 +476,17 @@ class Rings:
         reader's hot path (no record made). Raises as :meth:`take`."""
         if self._owner != _forks.pid:
             raise self._forked()
-        slot = self._next
-        if slot is None:
-            if self.peek_sock_seq() is None:
-                raise InvalidArgumentError("ring: take() with no slot published")
-            slot = self._next
-            assert slot is not None
-        self._next = None
-        self._last_sock_seq = slot[0]
-        self._in_head = head = self._in_head + 1
-        _store(self._mine, IN_HEAD, head)  # release: this end's copy is done before the peer may reuse the slot
-        return slot
+        raise InvalidArgumentError("ring: take() with no slot published")
+
+    @property
+    def _out_tail(self) -> int:
+        """Slots this end published."""
+        return 0 if self._writer is None else self._writer.tail
+
+    @property
+    def _in_head(self) -> int:
+        """Slots of the peer's this end took."""
+        return 0 if self._reader is None else self._reader.head
 
     # --- release ring ---------------------------------------------------------------------------------
 
@@ -604,7 +599,8 @@ class Rings:
         peer = self._peer
         if peer is None:
             return True
-        if (self._next is not None or _load_seq(peer, OUT_TAIL) != self._in_head
+        reader = self._reader
+        if (reader.pending or _load_seq(peer, OUT_TAIL) != reader.head
                 or (releases and _load_seq(peer, REL_TAIL) != self._rel_head)):
             self._asleep = AWAKE
             _store(mine, ASLEEP, AWAKE)
@@ -689,7 +685,9 @@ class Rings:
         self.closed = True
         self.attached = False
         self._peer = None
-        self._next = None
+        self._reader = self._writer = None
+        for name in ("peek_sock_seq", "spin_peek", "take_fields", "push_host"):  # (the class's own answer now)
+            self.__dict__.pop(name, None)
         self._finalizer()
 
     def __enter__(self) -> "Rings":

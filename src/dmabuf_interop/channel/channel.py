@@ -459,13 +459,11 @@ class Channel(Lending, Reading):
         spin = self._spin if spin is None else check_spin(spin)
         deadline = deadline_after(timeout)  # checks it (math.inf: no deadline)
         try:
-            got = self._recv_ready(deadline, spin)  # the steady state: one array's slot, taken as it lands
-            if got is None:
+            out = self._recv_ready(deadline, spin, h)  # the steady state: one array's slot, taken as it lands
+            if out is None:
                 q = self._next(timeout, False, spin, deadline)
-                ev, chunks = q.event, q.chunks
-            else:
-                ev, chunks = got
-            out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, chunks)[0]
+                ev = q.event
+                out = self._carrier.make_received(self, ev.lease, ev.descs, h, ev.ordering, q.chunks)[0]
         except BaseException as exc:
             self._interrupted_taking(exc)  # (Note [interrupted handling], in ._reader)
             raise

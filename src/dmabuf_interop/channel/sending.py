@@ -202,7 +202,8 @@ class Memo:
     step, whole or in buckets; a ring of blocks) reuses its placement, referencing its blocks again,
     without inspecting and finding each array, and sends a ``repeat`` of its layout."""
 
-    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout", "batch")
+    __slots__ = ("names", "key", "sigs", "placed", "blocks", "dev_pool", "by_pool", "heads", "layout", "batch",
+                 "current")
 
     @staticmethod
     def key_of(batch: bool, names: list[str | None], sigs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -227,6 +228,8 @@ class Memo:
         self.by_pool = list(by_pool.items())
         self.heads = list(heads.values())
         self.layout: int | None = None  # set once the peer has its layout
+        #: Whether it is the one its table remembers for its key (set and cleared under the send lock).
+        self.current = False
 
 
 def signatures(arrays: list[Any]) -> tuple[Any, ...] | None:
@@ -419,6 +422,9 @@ class MemoTable:
     def __init__(self, link: "Link", limit: int = MAX_MEMOS) -> None:
         self._link = link
         self._memos: dict[tuple[Any, ...], Memo] = {}
+        # One NumPy array sent alone, by its address: the last such memo remembered there (load-bearing for a
+        # send's speed: a dict keyed by the whole signature hashes a nested tuple and its dtype at every send).
+        self._by_address: dict[int, Memo] = {}
         self.limit = limit
 
     def __len__(self) -> int:
@@ -475,7 +481,15 @@ class MemoTable:
             sig = (3, array.ptr, array.shape, array.strides, array.dtype)
         else:
             return None
-        memo = self._memos.get((False, (sig,)))  # (Memo.key_of of one unnamed array)
+        if kind == 2:
+            memo = self._by_address.get(ptr)
+            if memo is not None:
+                m = memo.sigs[0]
+                dt = m[3]
+                if m[1] != sig[1] or m[2] != sig[2] or (dt is not sig[3] and dt != sig[3]):
+                    memo = self._memos.get((False, (sig,)))  # (another placement at the same address)
+        else:
+            memo = self._memos.get((False, (sig,)))  # (Memo.key_of of one unnamed array)
         if memo is None:
             return None
         pool, blocks = memo.by_pool[0]
@@ -493,19 +507,30 @@ class MemoTable:
 
     def is_current(self, memo: Memo) -> bool:
         """``memo`` is still the one remembered for its key, with a layout the peer has."""
-        return memo.layout is not None and self._memos.get(memo.key) is memo
+        return memo.current and memo.layout is not None
 
     def remember(self, memo: Memo, layout: int | None) -> None:
         """``memo`` was sent; a batch's ``layout`` is known to the peer now. (The caller holds the send lock.)"""
         memo.layout = layout
+        old = self._memos.get(memo.key)
+        if old is not None and old is not memo:
+            self.forget(old)
         self._memos[memo.key] = memo
+        memo.current = True
+        sig = _single_numpy_sig(memo)
+        if sig is not None:
+            self._by_address[sig[0]] = memo
         if len(self._memos) > self.limit:
-            del self._memos[next(iter(self._memos))]
+            self.forget(next(iter(self._memos.values())))
 
     def forget(self, memo: Memo) -> None:
         """(The caller holds the send lock.)"""
         if self._memos.get(memo.key) is memo:
             del self._memos[memo.key]
+            memo.current = False
+            sig = _single_numpy_sig(memo)
+            if sig is not None and self._by_address.get(sig[0]) is memo:
+                del self._by_address[sig[0]]
 
     def forget_layout(self, layout: int) -> None:
         """The peer forgot ``layout``: no memo may repeat it. (The caller holds the send lock.)"""
@@ -518,7 +543,18 @@ class MemoTable:
             self.forget(m)
 
     def clear(self) -> None:
+        for memo in self._memos.values():
+            memo.current = False
         self._memos.clear()
+        self._by_address.clear()
+
+
+def _single_numpy_sig(memo: Memo) -> tuple[Any, ...] | None:
+    """The signature of ``memo``'s one NumPy array sent alone (address, shape, strides, dtype), else ``None``."""
+    key = memo.key
+    if key[0] is False and len(key) == 2 and len(key[1]) == 1 and len(key[1][0]) == 4:  # (Memo.key_of's forms)
+        return key[1][0]
+    return None
 
 
 def batch_items(arrays: Any) -> tuple[list[str | None], list[Any], str]:
