@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from ..errors import PeerClosedError, PeerRefusedError, ProtocolError
@@ -88,12 +88,23 @@ class ChunkFact:
 @dataclass(frozen=True, eq=False, slots=True)
 class Layout:
     """A layout the peer defined: its validated descriptors, ``mapping`` (``True``/``False`` for a
-    batch, ``None`` for one array) and the chunks they lie in, by id."""
+    batch, ``None`` for one array) and the chunks they lie in, by id.
+
+    ``plain``: for one array defined with no event and no ``meta``, its ordering and its chunk's ``(id, fact)``,
+    what a repeat of it as defined has (:meth:`ConnectionState.receive_slot_as_defined`); else ``None``."""
 
     id: int
     descs: list[ArrayDescriptor]
     mapping: bool | None
     chunks: dict[int, ChunkFact]
+    plain: tuple[str, tuple[int, ChunkFact]] | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        d = self.descs[0] if self.descs else None
+        plain = None
+        if self.mapping is None and d is not None and d.event is None and d.meta is None and len(self.chunks) == 1:
+            plain = (d.ordering, next(iter(self.chunks.items())))
+        object.__setattr__(self, "plain", plain)  # (frozen: set once, here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,14 +568,10 @@ class ConnectionState:
         found = self._single_layouts.get(layout_id)
         if found is None or lease in self._held:
             return None
-        d = found.descs[0]
+        plain = found.plain
         # (ordering as defined: so "event" is not over a host chunk, which the definition checked)
-        if ordering != d.ordering or d.event is not None or d.meta is not None:
+        if plain is None or ordering != plain[0] or self._chunks.get(plain[1][0]) is not plain[1][1]:
             return None
-        chunks = self._chunks
-        for cid, fact in found.chunks.items():
-            if chunks.get(cid) is not fact:
-                return None
         self._held.add(lease)
         return found
 

@@ -471,6 +471,16 @@ class MemoTable:
                 ptr = _address(array)
             except _NO_ADDRESS:
                 ptr = array.ctypes.data
+            memo = self._by_address.get(ptr)
+            if memo is not None:  # (its signature's other fields compared in place: no tuple made, none hashed)
+                m = memo.sigs[0]
+                dt = m[3]
+                if m[1] == array.shape and m[2] == array.strides and (dt is array.dtype or dt == array.dtype):
+                    pool, blocks = memo.by_pool[0]
+                    if pool._ref_live(blocks):
+                        return memo
+                    self._forget_stale(memo)
+                    return None
             sig = (ptr, array.shape, array.strides, array.dtype)
         elif kind == 1:
             try:
@@ -481,15 +491,8 @@ class MemoTable:
             sig = (3, array.ptr, array.shape, array.strides, array.dtype)
         else:
             return None
-        if kind == 2:
-            memo = self._by_address.get(ptr)
-            if memo is not None:
-                m = memo.sigs[0]
-                dt = m[3]
-                if m[1] != sig[1] or m[2] != sig[2] or (dt is not sig[3] and dt != sig[3]):
-                    memo = self._memos.get((False, (sig,)))  # (another placement at the same address)
-        else:
-            memo = self._memos.get((False, (sig,)))  # (Memo.key_of of one unnamed array)
+        # (Memo.key_of of one unnamed array: a torch tensor, a DeviceView, a NumPy array where another lay before)
+        memo = self._memos.get((False, (sig,)))
         if memo is None:
             return None
         pool, blocks = memo.by_pool[0]
