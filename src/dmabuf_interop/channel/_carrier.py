@@ -46,7 +46,7 @@ class ImportedChunk:
     no reference left closes it; :attr:`_close` is claimed once (``list.pop``), so retire and the last release,
     racing, close it once."""
 
-    __slots__ = ("id", "size", "buf", "ptr", "read_only", "device", "_holders", "retired", "_close")
+    __slots__ = ("id", "size", "buf", "ptr", "read_only", "device", "mapping", "_holders", "retired", "_close")
 
     def __init__(self, chunk_id: int, size: int, buf: Any) -> None:
         self.id = chunk_id
@@ -56,6 +56,9 @@ class ImportedChunk:
         # A memfd the peer sealed against writing is mapped PROT_READ: its host views refuse writes.
         self.read_only: bool = getattr(buf, "read_only", False)
         self.device: int = buf.device  # -1: host
+        # A host chunk's mmap, which a host view holds too (read once: two attribute hops a view), else None.
+        mapping = getattr(buf, "_mapping", None)
+        self.mapping: Any = None if mapping is None else mapping.map
         self._holders: list[None] = []
         self.retired = False
         self._close = [None]

@@ -220,7 +220,7 @@ class Received:
         if chunk.device < 0:
             typestr, dt, storage = _HOST_DTYPES.get(d.dtype) or _host_dtype(d.dtype)
             # (_host_view, inline: a consumer woken for the array pays about a microsecond a call)
-            keep = (self, ChunkRef(chunk), chunk.buf._mapping.map)
+            keep = (self, ChunkRef(chunk), chunk.mapping)
             ptr = chunk.ptr + d.block_offset + d.byte_offset
             if _span is not None:
                 # Load-bearing: an ndarray over a span that holds ``keep`` is the same array as numpy.asarray of a
@@ -239,7 +239,7 @@ class Received:
 
     def _host_view(self, typestr: str) -> Any:
         d = self.descriptor
-        keep = (self, ChunkRef(self._chunk), self._chunk.buf._mapping.map)
+        keep = (self, ChunkRef(self._chunk), self._chunk.mapping)
         return (_asarray or _load_asarray())(HostView(self._ptr, d.shape, d.strides, typestr, keep,
                                                       self._chunk.read_only))
 

@@ -9,7 +9,6 @@ import contextlib
 import os
 import threading
 import time
-import types
 from typing import Any, Iterator
 
 from ..._time import deadline_after
@@ -50,7 +49,7 @@ class _LocalBlock:
     :class:`Received` are all released or gone.
 
     Offers what :class:`Received` reads from an imported chunk (``id``, ``size``, ``device``, ``ptr``, ``read_only``,
-    ``buf.ptr``, ``buf._mapping``).
+    ``mapping``, ``buf.ptr``).
     """
 
     def __init__(self, block: Block) -> None:
@@ -61,8 +60,8 @@ class _LocalBlock:
         self.ptr = block.ptr
         self.read_only = False  # (this side's own block)
         self.device = -1 if block.pool.is_host else block.pool.device
-        self._mapping = (types.SimpleNamespace(map=block.chunk.host_keepalive(block.offset, block.size))
-                         if block.pool.is_host else None)
+        # (what a host view holds, as an imported chunk's mmap)
+        self.mapping = block.chunk.host_keepalive(block.offset, block.size) if block.pool.is_host else None
         self._refs = 0  # the hold's and each view's (arrays.ChunkRef): the block goes back at 0
         self._lock = threading.Lock()
 
