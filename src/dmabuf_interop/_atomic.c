@@ -596,13 +596,14 @@ cursor_init(CursorBase *c, PyObject *mine, PyObject *peer, PyObject *slots_obj, 
         f[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(layout, i));
         if (f[i] == -1 && PyErr_Occurred())
             return -1;
-        if (f[i] < 0 || (f[i] & 7) != 0) {
-            PyErr_SetString(PyExc_ValueError, "a ring layout's offsets are 8-byte aligned and >= 0");
+        if (f[i] < 0 || f[i] > PY_SSIZE_T_MAX - 8 || (f[i] & 7) != 0) {
+            PyErr_SetString(PyExc_ValueError, "a ring layout's offsets are 8-byte aligned, >= 0 and in range");
             return -1;
         }
     }
-    if (f[1] < SLOT_SIZE || !PyCallable_Check(forked)) {
-        PyErr_SetString(PyExc_ValueError, "slot_bytes below a slot's size, or forked not callable");
+    if (f[1] < SLOT_SIZE || !PyCallable_Check(forked) || !PyExceptionClass_Check(protocol_error)) {
+        PyErr_SetString(PyExc_ValueError, "slot_bytes below a slot's size, forked not callable, or protocol_error "
+                                          "not an exception class");
         return -1;
     }
     if (PyObject_GetBuffer(mine, &c->mine, PyBUF_WRITABLE) < 0)
@@ -614,8 +615,9 @@ cursor_init(CursorBase *c, PyObject *mine, PyObject *peer, PyObject *slots_obj, 
     Py_ssize_t ring_len = ring_in_peer ? c->peer.len : c->mine.len;
     Py_ssize_t counters = f[2] > f[3] ? f[2] : f[3];
     counters = counters > f[4] ? counters : f[4];
-    if (slots > (PY_SSIZE_T_MAX - f[0]) / f[1] || f[0] + slots * f[1] > ring_len || counters + 8 > c->mine.len
-        || counters + 8 > c->peer.len || ((uintptr_t)c->mine.buf & 7) || ((uintptr_t)c->peer.buf & 7)) {
+    if (slots > (PY_SSIZE_T_MAX - f[0]) / f[1] || f[0] + slots * f[1] > ring_len || c->mine.len < 8
+        || c->peer.len < 8 || counters > c->mine.len - 8 || counters > c->peer.len - 8
+        || ((uintptr_t)c->mine.buf & 7) || ((uintptr_t)c->peer.buf & 7)) {
         PyBuffer_Release(&c->peer);
         PyBuffer_Release(&c->mine);
         PyErr_SetString(PyExc_ValueError, "the ring does not fit its region");
@@ -635,16 +637,25 @@ cursor_init(CursorBase *c, PyObject *mine, PyObject *peer, PyObject *slots_obj, 
     return 0;
 }
 
+/* Raise exc, an exception instance a factory made (NULL: its error stays set); TypeError where it is none. */
+static void
+raise_made(PyObject *exc, const char *factory)
+{
+    if (exc == NULL)
+        return;
+    if (PyExceptionInstance_Check(exc))
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    else
+        PyErr_Format(PyExc_TypeError, "the ring cursor's %s() returned %R, not an exception", factory, exc);
+    Py_DECREF(exc);
+}
+
 /* 0: usable; -1 with the error set. */
 static int
 cursor_check(CursorBase *c)
 {
     if (c->generation != fork_generation) {
-        PyObject *exc = PyObject_CallNoArgs(c->forked);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
+        raise_made(PyObject_CallNoArgs(c->forked), "forked");
         return -1;
     }
     if (!c->open) {
@@ -682,6 +693,10 @@ typedef struct {
 static int
 reader_traverse(SlotReader *self, visitproc visit, void *arg)
 {
+    if (self->c.open) {
+        Py_VISIT(self->c.mine.obj);
+        Py_VISIT(self->c.peer.obj);
+    }
     Py_VISIT(self->next);
     Py_VISIT(self->orderings);
     Py_VISIT(self->invalid);
@@ -693,6 +708,7 @@ reader_traverse(SlotReader *self, visitproc visit, void *arg)
 static int
 reader_clear(SlotReader *self)
 {
+    cursor_release(&self->c);  /* (closed from here: no call reaches what is cleared below) */
     Py_CLEAR(self->next);
     Py_CLEAR(self->orderings);
     Py_CLEAR(self->invalid);
@@ -719,8 +735,8 @@ reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO:SlotReader", kwlist, &peer, &mine, &slots, &layout,
                                      &orderings, &perr, &invalid, &forked))
         return NULL;
-    if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS) {
-        PyErr_SetString(PyExc_TypeError, "SlotReader: orderings must be a tuple of 3");
+    if (!PyTuple_Check(orderings) || PyTuple_GET_SIZE(orderings) != N_ORDERINGS || !PyExceptionClass_Check(invalid)) {
+        PyErr_SetString(PyExc_TypeError, "SlotReader: orderings must be a tuple of 3, invalid an exception class");
         return NULL;
     }
     SlotReader *self = (SlotReader *)type->tp_alloc(type, 0);
@@ -757,6 +773,9 @@ reader_fill(SlotReader *self)
     }
     unsigned char s[SLOT_SIZE];
     memcpy(s, (char *)c->peer.buf + c->slots_off + (Py_ssize_t)(head & c->mask) * c->slot_bytes, SLOT_SIZE);
+    /* The one read of the peer's slot: a compiler barrier, so that every field below is the copy's, never read
+     * again from the shared memory (which the peer may be rewriting). */
+    __asm__ __volatile__("" ::: "memory");
     uint64_t seq = u64_at(s, 0), sock_seq = u64_at(s, 8), lease = u64_at(s, 16);
     uint32_t layout;
     memcpy(&layout, s + 24, 4);
@@ -783,21 +802,25 @@ reader_fill(SlotReader *self)
     PyObject *event = has_event ? PyBytes_FromStringAndSize((const char *)s + 32, EVENT_SIZE) : Py_NewRef(Py_None);
     if (event == NULL)
         return -1;
-    PyObject *a = PyLong_FromUnsignedLongLong(sock_seq), *b = PyLong_FromUnsignedLongLong(lease),
-             *d = PyLong_FromUnsignedLong(layout);
-    PyObject *out = (a && b && d) ? PyTuple_New(5) : NULL;
+    PyObject *out = PyTuple_New(5);
     if (out == NULL) {
+        Py_DECREF(event);
+        return -1;
+    }
+    PyTuple_SET_ITEM(out, 4, event);  /* (from here, out owns what it holds: one DECREF undoes it all) */
+    PyObject *a = PyLong_FromUnsignedLongLong(sock_seq);
+    PyObject *b = a ? PyLong_FromUnsignedLongLong(lease) : NULL;
+    PyObject *d = b ? PyLong_FromUnsignedLong(layout) : NULL;
+    if (d == NULL) {
         Py_XDECREF(a);
         Py_XDECREF(b);
-        Py_XDECREF(d);
-        Py_DECREF(event);
+        Py_DECREF(out);
         return -1;
     }
     PyTuple_SET_ITEM(out, 0, a);
     PyTuple_SET_ITEM(out, 1, b);
     PyTuple_SET_ITEM(out, 2, d);
     PyTuple_SET_ITEM(out, 3, Py_NewRef(PyTuple_GET_ITEM(self->orderings, code)));
-    PyTuple_SET_ITEM(out, 4, event);
     self->next = out;
     return 1;
 }
@@ -938,6 +961,10 @@ typedef struct {
 static int
 writer_traverse(SlotWriter *self, visitproc visit, void *arg)
 {
+    if (self->c.open) {
+        Py_VISIT(self->c.mine.obj);
+        Py_VISIT(self->c.peer.obj);
+    }
     Py_VISIT(self->c.protocol_error);
     Py_VISIT(self->c.forked);
     Py_VISIT(self->wake_failed);
@@ -947,6 +974,7 @@ writer_traverse(SlotWriter *self, visitproc visit, void *arg)
 static int
 writer_clear(SlotWriter *self)
 {
+    cursor_release(&self->c);  /* (closed from here: no call reaches what is cleared below) */
     Py_CLEAR(self->c.protocol_error);
     Py_CLEAR(self->c.forked);
     Py_CLEAR(self->wake_failed);
@@ -989,7 +1017,8 @@ writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 /* Wake the peer: one byte to its wake socket, never waiting (Note [the wake fd], channel/_ring_region.py). A full
- * socket holds wake-ups already; a peer's end that went is seen as the channel socket's hang-up. 0, or -1 with
+ * socket holds wake-ups already; a peer's end that went (ECONNREFUSED, then ENOTCONN; ECONNRESET, EPIPE) is seen
+ * as the channel socket's hang-up. 0, or -1 with
  * the error wake_failed(errno) returns set. */
 static int
 writer_wake(SlotWriter *self)
@@ -998,13 +1027,10 @@ writer_wake(SlotWriter *self)
     do {
         n = send(self->wake_fd, "\1", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
     } while (n < 0 && errno == EINTR);
-    if (n >= 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNRESET || errno == ECONNREFUSED)
+    if (n >= 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNRESET || errno == ECONNREFUSED
+        || errno == ENOTCONN || errno == EPIPE)
         return 0;
-    PyObject *exc = PyObject_CallFunction(self->wake_failed, "i", errno);
-    if (exc != NULL) {
-        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-        Py_DECREF(exc);
-    }
+    raise_made(PyObject_CallFunction(self->wake_failed, "i", errno), "wake_failed");
     return -1;
 }
 

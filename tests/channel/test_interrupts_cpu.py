@@ -291,6 +291,40 @@ def test_an_interrupt_after_a_send_went_out_and_before_its_lease_was_recorded_en
     assert not unraisable
 
 
+@pytest.mark.parametrize("path", ["lane", "general path"])
+def test_an_error_after_a_slot_went_out_and_before_its_lease_was_recorded_ends_the_connection(
+        pair, monkeypatch, unraisable, path) -> None:
+    """Not only an interrupt: any exception between the publish and the record (here the lease's making, as a
+    MemoryError would) ends the connection, and the block keeps its reference, since the peer may be reading it.
+    Else the peer's release would be a forged one here, blaming the peer."""
+    from dmabuf_interop.channel import _lending
+
+    pool, prod, cons = pair
+    a = pool.empty(8, "int64")
+    a[:] = 5
+    first = prod.send(a)
+    cons.recv(5).release()
+    first.wait(5)
+    block = prod._memos.single_again(a).blocks[0]
+    block.pool._unref_many([block])  # (the lookup's own reference)
+    refs = block.refs
+    monkeypatch.setattr(_lending, "Lease", _once(MemoryError("no memory"), _lending.Lease))
+    with pytest.raises(MemoryError):
+        prod.send(a, timeout=5, ordering="sync" if path == "general path" else None)
+    assert block.refs == refs + 1  # (kept: the slot is out)
+    with pytest.raises(PeerClosedError) as info:
+        for _ in range(100):  # (the reader ends it as it sees the shutdown)
+            prod.send(a, timeout=5)
+            time.sleep(0.01)
+    cause = info.value.__cause__
+    assert isinstance(cause, LocalError) and "MemoryError" in str(cause), cause
+    with pytest.raises(PeerClosedError) as info:
+        for _ in range(3):
+            cons.recv(5).release()
+    assert not isinstance(info.value.__cause__, ProtocolError), info.value.__cause__
+    assert not unraisable
+
+
 def _hold_send_lock(ch) -> tuple[threading.Thread, threading.Event]:
     """A thread that holds ``ch``'s send lock until the event is set (as a send waiting for a slow peer)."""
     taken, done = threading.Event(), threading.Event()

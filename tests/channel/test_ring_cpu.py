@@ -155,11 +155,19 @@ def test_the_ring_cursors_hold_their_regions_until_closed_and_check_what_they_ar
         with pytest.raises(BufferError):
             a._held.mine.close()  # the writer, and the peer's reader, hold buffers of it
         forked = lambda: ForkedResourceError("test", 1)  # noqa: E731
+        big = 2**63 - 8  # (an offset whose end overflows a signed size)
         for slots, layout in ((1 << 20, _ring._LAYOUT), (3, _ring._LAYOUT), (4, (4096, 8, 64, 192, 320)),
-                              (4, (4096, 128, 64, 192, 1 << 30))):
-            with pytest.raises(ValueError):
+                              (4, (4096, 128, 64, 192, 1 << 30)), (4, (4096, 128, big, 192, 320)),
+                              (4, (4096, 128, 64, 192, big)), (4, (big, 128, 64, 192, 320)), (4, (4096, 128, -8, 192, 320))):
+            with pytest.raises((ValueError, OverflowError)):
                 _atomic.SlotReader(b._peer, b._mine, slots, layout, ORDERINGS, ProtocolError, InvalidArgumentError,
                                    forked)
+            with pytest.raises((ValueError, OverflowError)):
+                _atomic.SlotWriter(a._mine, a._peer, slots, layout, ProtocolError, forked, 0, lambda e: OSError(e))
+        with pytest.raises((TypeError, ValueError)):  # (error classes that are not exception classes)
+            _atomic.SlotReader(b._peer, b._mine, 4, _ring._LAYOUT, ORDERINGS, ProtocolError, "no", forked)
+        with pytest.raises((TypeError, ValueError)):
+            _atomic.SlotWriter(a._mine, a._peer, 4, _ring._LAYOUT, len, forked, 0, lambda e: OSError(e))
         extra = _atomic.SlotReader(b._peer, b._mine, 4, _ring._LAYOUT, ORDERINGS, ProtocolError,
                                    InvalidArgumentError, forked)
         extra.close()
@@ -172,6 +180,26 @@ def test_the_ring_cursors_hold_their_regions_until_closed_and_check_what_they_ar
         b.close()
     assert a._held.mine is None and b._held.peer is None  # unmapped once the cursors let go
     assert a.peek_sock_seq() is None and not a.push_host(0, 1, 1)  # closed: the class's own answers
+
+
+def test_a_wake_up_to_a_peer_whose_wake_socket_went_is_no_error():
+    """The peer's end of its wake socket closed (it died): the first send finds ECONNREFUSED, every later one
+    ENOTCONN; neither is this end's failure (the channel socket's hang-up ends the connection), so a publish to a
+    sleeping peer still succeeds, as often as it is tried."""
+    a, b = _pair(4, 8, 4, 8)
+    try:
+        b._wake_sock.close()  # (the end b polls, which a's duplicate of b's other end sends to)
+        b._for_peer.close()
+        _Q.pack_into(memoryview(b._held.mine), ASLEEP, SLEEP_ALL)  # (b says it sleeps: every publish wakes it)
+        writer = a._writer
+        for i in range(4):
+            assert writer.push_plain(0, i + 1, 1)
+            b.take_fields()
+        a._wake()
+        a._wake()  # (the release ring's wake-up, from Python: the same errnos are no error)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_atomic_checks_bounds_alignment_and_writability():

@@ -77,7 +77,10 @@ class ImportedChunk:
 
     def release(self) -> None:
         holders = self._holders
-        holders.pop()
+        try:
+            holders.pop()
+        except IndexError:  # (a release with no reference taken: nothing to drop)
+            return
         # (the pop before the look at ``retired``: a retire in between sees no reference left, or this sees it)
         if self.retired and not holders:
             self._close_once()

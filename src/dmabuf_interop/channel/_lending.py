@@ -13,17 +13,27 @@ it lay (a ring of pool blocks), repeated through the shared-memory ring, taken b
 thread. Each Python step of it costs a process that was just woken (or that shares its core with a spinning peer)
 two to three times what it costs warm, and the hand-off is a chain of such steps, so both ends take that case by a
 lane of its own that goes straight through the same checks and the same state machine calls, and hands anything
-else to the general path, which decides as before: ``send`` -> :meth:`Lending._send_ready` (then
-:meth:`Lending._lend_again`, which the general path shares: the slot published first, the lease made and recorded
-after it under the state lock, which a release of it needs; :meth:`Lending._lend_out` where the ring cannot take
-it); ``recv`` -> :meth:`._reader.Reading._recv_ready` (the slot next in the peer's order, its arrival taken from
-:meth:`._reader.Reading._take_slot` without the queue). A lane decides nothing of its own: where its case does not
-hold it returns ``None`` having done nothing (``send``), or having read what came instead under the same hold of
-the read lock (``recv``), and the general path goes on. Measured with CPython 3.11.7 on the 2-core x86-64 CPU
-machine, both ends in one process, no reader thread, the 10th percentile of 27,000 hand-offs of a 4 KiB host
-block (the median of three runs): ``send`` 4.75 -> 4.40 us, ``recv`` 6.49 -> 4.73 us (and the host ``as_array``
-2.08 -> 1.22 us: ``_atomic.span``); between two processes (docs/benchmarks.md, "Host memory") the hand-off with a
-spinning consumer 24.9 -> 15.3 us, the medians of seven runs of each in turn.
+else to the general path, which decides as before.
+
+- ``send`` -> :meth:`Lending._send_ready`. A host array's repeat is published there, flat: the memo found by the
+  array's address (:meth:`.sending.MemoTable.single_again`), the send lock taken inline, then under the state lock
+  the slot published (the writing cursor's ``push_plain``, :mod:`._ring`) and the lease made and recorded after
+  it, which a release of it needs; what can wait comes after the publish (the release ring's backlog, the time
+  of the send, a deadline, made only where it is needed). A device array's goes by :meth:`Lending._lend_again`,
+  which the general path shares; :meth:`Lending._lend_out` where the ring cannot take it.
+- ``recv`` -> :meth:`._reader.Reading._recv_ready` (the slot next in the peer's order) -> its
+  :meth:`._reader.Reading._take_ready`: a slot repeating one array's layout as defined is taken by
+  :meth:`._state.ConnectionState.receive_slot_as_defined` and its Received made there; any other by
+  :meth:`._state.ConnectionState.receive_slot`, its arrival kept out of the queue.
+
+A lane decides nothing of its own: where its case does not hold it returns ``None`` having done nothing (``send``),
+or having read what came instead under the same hold of the read lock (``recv``), and the general path goes on.
+Measured with CPython 3.11.7 on the 2-core x86-64 CPU machine, both ends in one process, no reader thread, the 10th
+percentile of 19,000 hand-offs of a 4 KiB host block: at 41bddd4 ``send`` up to the publish 2.85-2.88 us,
+``recv`` 4.26-4.36 us, ``as_array`` 1.10-1.13 us; with these lanes, the rings' cursors in C (:mod:`._ring`) and an
+imported chunk's references without a lock (:class:`._carrier.ImportedChunk`), 1.63 us, 2.34 us and 0.85 us;
+between two processes with a spinning consumer (docs/benchmarks.md, "Host memory") the hand-off's median from
+10.2-11.2 us to 5.9-7.0 us.
 """
 
 from __future__ import annotations
@@ -123,15 +133,19 @@ class Lending:
             return None
         if memo.dev_pool is not None:
             if rings.releases_backlogged():
-                self._take_ring_releases()
+                try:
+                    self._take_ring_releases()
+                except BaseException:
+                    memo.by_pool[0][0]._unref_many(memo.blocks)  # (nothing lent: the reference goes back)
+                    raise
             return self._lend_again(memo, 0, self._carrier.forced_ordering or self.ordering, deadline_after(timeout))
         # _lend_again's ring path for host memory (ordering "none", no event), flat.
         lease = None
-        lease_id = next_lease_id()
+        pushing = published = recorded = False
         link = self._link
-        pushing = False
-        lock = link.lock
         try:
+            lease_id = next_lease_id()
+            lock = link.lock
             # The send lock's take as _lend_again's (Note [the send lock's owner], in ._link).
             if lock._is_owned():
                 raise nested_send_error()
@@ -139,25 +153,29 @@ class Lending:
                 if not lock.acquire(False):
                     link.wait_by(deadline_after(timeout))
                 with self._state_lock:
-                    pushing = True  # (from here to the record the slot may be out)
                     if not self._proto.can_send:  # (_push's checks, then Rings.push_host's publish)
                         raise link.ended()
                     layout = memo.layout
+                    pushing = True  # (from here the slot may be out)
                     # (MemoTable.is_current, inline)
                     if (memo.current and layout is not None and layout <= _MAX_SLOT_LAYOUT and lease_id < LEASE_LIMIT
                             and rings.push_host(link.sent, lease_id, layout)):
+                        published = True  # (out: its lease is recorded next, or the connection ends)
                         # (the slot went out before the lease was made: the peer's work begins that much sooner)
                         lease = Lease(lease_id, memo.blocks, None, None, self._waits)
                         self._proto.lend(lease_id, lease)
-                    pushing = False
+                        recorded = True
             finally:
                 if lock._is_owned():
                     link.release()
         except BaseException as exc:
-            if pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError)):
-                # An interrupt, or the wake-up's send failing after the publish: the slot may be out, unrecorded.
+            if recorded:
+                raise  # (lent and recorded: the peer's release, or the end, completes it)
+            if published or (pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError))):
+                # Out with no lease recorded, or maybe out: an interrupt in the publish, or the wake-up's send that
+                # failed after it. A release of it would be a forged one here: the end.
                 self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
-            elif lease is None:  # (nothing lent: the reference goes back)
+            else:  # (nothing lent: the reference goes back)
                 memo.by_pool[0][0]._unref_many(memo.blocks)
             if isinstance(exc, ProtocolError):  # (push_host: the peer's in_head out of range)
                 self._waits._fail(exc)
@@ -171,7 +189,10 @@ class Lending:
                                   deadline_after(timeout))
         self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
         if rings.releases_backlogged():
-            self._take_ring_releases()
+            try:
+                self._take_ring_releases()
+            except DmaBufError:
+                pass  # (the peer broke its release ring: the connection is ending, and this lease completes then)
         return lease
 
     def _lend_again(self, memo: Memo, stream: int, ordering: str, deadline: float | None) -> Lease:
@@ -193,7 +214,7 @@ class Lending:
             lease_id = next_lease_id()
             link = self._link
             self._conn.sent_at = _monotonic()  # (the reader may sleep unwoken by releases: Note [waking for releases])
-            pushing = False
+            pushing = published = recorded = False
             lock = link.lock
             try:
                 # Load-bearing for the steady state's speed: link.held_by's take, inline (its with block costs
@@ -211,17 +232,22 @@ class Lending:
                         # begins that much sooner; its release is taken under this lock, so only after the record.
                         if self._memos.is_current(memo) and self._push(lease_id, memo.layout, order,
                                                                        None if event is None else event[1]):
+                            published = True  # (out: its lease is recorded next, or the connection ends)
                             lease = Lease(lease_id, memo.blocks, event, events, self._waits)
                             self._proto.lend(lease_id, lease)
+                            recorded = True
                         pushing = False
                 finally:
                     if lock._is_owned():
                         link.release()
             except BaseException as exc:
-                if pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError)):
-                    # An interrupt, or the wake-up's send failing after the publish: the slot may be out, unrecorded.
+                if recorded:
+                    raise  # (lent and recorded: the peer's release, or the end, completes it)
+                if published or (pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError))):
+                    # Out with no lease recorded, or maybe out: an interrupt in the publish, or the wake-up's send
+                    # that failed after it. A release of it would be a forged one here: the end.
                     self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
-                elif lease is None:  # (nothing lent: the reference and the event go back)
+                else:  # (nothing lent: the reference and the event go back)
                     memo.by_pool[0][0]._unref_many(memo.blocks)
                     if event is not None:
                         events.give(event)

@@ -841,14 +841,17 @@ class Reading:
                     events = self._slot_events(lease, layout, ordering, event)
                     if not (events and events[0].kind == "array"):  # (a slot's events: its arrival, or none)
                         self._queue_arrivals(events)
+                        conn.taking = 0  # (nothing taken here: what was queued is the queue's)
                         return None
                     ev = events[0]
                     chunks = self._retain_chunks(ev)
         except (DmaBufError, OSError, ValueError) as exc:
+            conn.taking = 0
             self._proto.fail(exc)
             self._end()
             return None
         except Exception as exc:  # noqa: BLE001 - as in _take
+            conn.taking = 0
             self._fail_here("repeat", exc)
             return None
         except BaseException as exc:  # as in _take
@@ -858,9 +861,9 @@ class Reading:
         # handling].)
         if found is None:
             return self._carrier.make_received(self, lease, ev.descs, stream, ev.ordering, chunks)[0]
-        if ordering != "event":  # (the carrier's make_received of one array, with no event to wait on)
-            return Received(Hold(self, lease, [chunk], 1, stream, ordering, adopt=True), d, chunk)
-        return self._carrier.make_received(self, lease, found.descs, stream, ordering, {d.chunk: chunk})[0]
+        # The carrier's make_received of one array with no event to wait on (receive_slot_as_defined takes no slot
+        # that carries one).
+        return Received(Hold(self, lease, [chunk], 1, stream, ordering, adopt=True), d, chunk)
 
     def _take_slot(self) -> None:
         """Take the peer ring's next slot (copied out and checked by :meth:`._ring.Rings.take_fields`) and hand

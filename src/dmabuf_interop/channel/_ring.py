@@ -348,19 +348,27 @@ class Rings:
             peer.close()
             raise
         held = self._held
+        try:  # (the cursors made before anything is kept: a failure leaves this object as it was)
+            # (A plain function, not a bound method: no cycle through this object, whose collection closes it.)
+            forked = functools.partial(ForkedResourceError, "a channel's shared-memory ring", self._owner)
+            reader = _atomic.SlotReader(peer, held.mine, slots, _LAYOUT, ORDERINGS, ProtocolError,
+                                        InvalidArgumentError, forked)
+            try:
+                writer = _atomic.SlotWriter(held.mine, peer, self.slots, _LAYOUT, ProtocolError, forked,
+                                            peer_wake.fileno(), _wake_failed)
+            except BaseException:
+                reader.close()
+                raise
+        except BaseException:
+            peer_wake.close()
+            peer.close()
+            raise
+        held.cursors += (reader, writer)
         held.peer = peer
         held.socks.append(peer_wake)
         self._peer_wake = peer_wake
         self._peer_q = memoryview(peer).cast("Q")
         held.views.append(self._peer_q)
-        # (A plain function, not a bound method: no cycle through this object, whose collection closes it.)
-        forked = functools.partial(ForkedResourceError, "a channel's shared-memory ring", self._owner)
-        reader = _atomic.SlotReader(peer, held.mine, slots, _LAYOUT, ORDERINGS, ProtocolError, InvalidArgumentError,
-                                    forked)
-        held.cursors.append(reader)
-        writer = _atomic.SlotWriter(held.mine, peer, self.slots, _LAYOUT, ProtocolError, forked, peer_wake.fileno(),
-                                    _wake_failed)
-        held.cursors.append(writer)
         self._reader, self._writer = reader, writer
         # Load-bearing: a consumer's look at the ring and its take, and the host lane's publish, are the cursors'
         # C methods, called with no Python frame between (bound over this class's methods, which answer for a ring
@@ -670,9 +678,11 @@ class Rings:
             self._peer_wake.send(b"\1", _DONTWAIT)  # Note [the wake fd]: never waits, whatever O_NONBLOCK says
         except BlockingIOError:
             pass  # the peer's socket is full of wake-ups already
-        except (ConnectionResetError, ConnectionRefusedError):
+        except (ConnectionResetError, ConnectionRefusedError, BrokenPipeError):
             pass  # the peer's end went: its socket's hang-up ends the channel
         except OSError as exc:
+            if exc.errno == errno.ENOTCONN:  # (the peer's end went: ECONNREFUSED once, ENOTCONN after)
+                return
             raise SyscallError("send", exc) from exc
 
     # --- the end --------------------------------------------------------------------------------------
