@@ -18,8 +18,9 @@
  *                                     and only in the process that mapped it
  *   SlotReader, SlotWriter            a message ring's reading and writing cursors: peek, spin_peek, take;
  *                                     push (one C call each; see their section)
- *   span(address, nbytes, keep, readonly=False)  a buffer over memory the caller vouches for, holding keep (a
- *                                     received array's owners) for as long as it or any export of it lives
+ *   span(address, nbytes, keep, readonly=False, ref=None)  a buffer over memory the caller vouches for, holding
+ *                                     keep (a received array's owners) for as long as it or any export of it lives,
+ *                                     and calling ref.release() once as it goes (a reference taken for it)
  *
  * Every offset is checked: off >= 0, off + 8 (or + len(data)) <= len(buf), and the address 8-byte aligned
  * (ValueError otherwise); a store into a read-only buffer is a TypeError. Values are native u64; the ring's
@@ -435,7 +436,27 @@ typedef struct {
     Py_ssize_t len;
     int readonly;
     PyObject *keep;
+    PyObject *ref;  /* an object whose release() is called once as the span goes (a reference taken for it), or NULL */
 } Span;
+
+/* Let go of the span's reference: ref.release(), once (what it raises is reported, not raised: a span goes from a
+ * dealloc or the garbage collector). */
+static void
+span_let_go(Span *self)
+{
+    PyObject *ref = self->ref;
+    if (ref == NULL)
+        return;
+    self->ref = NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *got = PyObject_CallMethod(ref, "release", NULL);
+    if (got == NULL)
+        PyErr_WriteUnraisable(ref);
+    Py_XDECREF(got);
+    PyErr_Restore(type, value, tb);
+    Py_DECREF(ref);
+}
 
 static PyTypeObject SpanType;
 
@@ -443,12 +464,14 @@ static int
 span_traverse(Span *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->keep);
+    Py_VISIT(self->ref);
     return 0;
 }
 
 static int
 span_clear(Span *self)
 {
+    span_let_go(self);
     Py_CLEAR(self->keep);
     return 0;
 }
@@ -457,6 +480,7 @@ static void
 span_dealloc(Span *self)
 {
     PyObject_GC_UnTrack(self);
+    span_let_go(self);
     Py_CLEAR(self->keep);
     PyObject_GC_Del(self);
 }
@@ -516,13 +540,15 @@ static PyTypeObject SpanType = {
 static PyObject *
 span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "span(address, nbytes, keep, readonly=False) takes 3 or 4 arguments");
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "span(address, nbytes, keep, readonly=False, ref=None) takes 3 to 5 "
+                                         "arguments");
         return NULL;
     }
     int readonly = 0;
-    if (nargs == 4 && (readonly = PyObject_IsTrue(args[3])) < 0)
+    if (nargs >= 4 && (readonly = PyObject_IsTrue(args[3])) < 0)
         return NULL;
+    PyObject *ref = nargs == 5 && args[4] != Py_None ? args[4] : NULL;
     void *addr = PyLong_AsVoidPtr(args[0]);
     if (addr == NULL && PyErr_Occurred())
         return NULL;
@@ -540,6 +566,7 @@ span(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     self->len = len;
     self->readonly = readonly;
     self->keep = Py_NewRef(args[2]);
+    self->ref = Py_XNewRef(ref);
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -1218,11 +1245,12 @@ static PyMethodDef methods[] = {
      "address(obj) -> int: the address of the first element of a buffer exporter (PyBUF_STRIDES: strided "
      "buffers too), as NumPy's ndarray.ctypes.data; BufferError (or TypeError) where it exports none."},
     {"span", (PyCFunction)(void (*)(void))span, METH_FASTCALL,
-     "span(address, nbytes, keep, readonly=False) -> Span: a buffer of nbytes at address (an int), read-only "
-     "or writable, that holds keep for as long as it, or a buffer exported from it (a NumPy array over it), "
-     "lives. The caller vouches that the memory stays mapped while keep lives, and is writable unless readonly. "
-     "ValueError: nbytes < 0, or a NULL address with nbytes > 0; BufferError: a writable buffer asked of a "
-     "read-only span."},
+     "span(address, nbytes, keep, readonly=False, ref=None) -> Span: a buffer of nbytes at address (an int), "
+     "read-only or writable, that holds keep for as long as it, or a buffer exported from it (a NumPy array over "
+     "it), lives, and calls ref.release() once as it goes (a reference the caller took for it; what that raises is "
+     "reported as unraisable). The caller vouches that the memory stays mapped while keep lives, and is writable "
+     "unless readonly. ValueError: nbytes < 0, or a NULL address with nbytes > 0; BufferError: a writable buffer "
+     "asked of a read-only span."},
     {NULL, NULL, 0, NULL},
 };
 

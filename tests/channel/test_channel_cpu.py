@@ -1513,6 +1513,33 @@ def test_an_imported_chunk_is_unmapped_once_whoever_lets_go_last_retire_or_relea
         assert buf.closed and closes == [1]
 
 
+def test_a_host_view_holds_its_chunk_for_exactly_as_long_as_it_or_a_view_of_it_lives(addr: str,
+                                                                                      pool: SharedPool) -> None:
+    """The span under a host array takes a reference on the imported chunk and lets it go as it goes: one per
+    as_array, kept by slices and views of the array past release(), none left once they are all gone."""
+    listener, prod, cons = pair(addr, pool)
+    a = pool.empty(64, "int32")
+    a[:] = range(64)
+    lease = prod.send(a)
+    r = cons.recv(5)
+    (chunk,) = cons._imports.values()
+    held = chunk.refs  # (the Received's own)
+    views = [r.as_array() for _ in range(3)]
+    assert chunk.refs == held + 3
+    tail = views[0][32:].view("uint8")[::4]  # (a view of a view: the same span under it)
+    del views
+    gc.collect()
+    assert chunk.refs == held + 1  # (the one under tail)
+    r.release()
+    lease.wait(5)
+    assert tail[0] == 32 and chunk.refs == 1  # (released, and still mapped for the view)
+    del tail
+    gc.collect()
+    assert chunk.refs == 0
+    for x in (cons, prod, listener):
+        x.close()
+
+
 def test_close_drops_arrays_that_were_not_received_and_unmaps_their_chunks(addr: str, pool: SharedPool) -> None:
     listener, prod, cons = pair(addr, pool)
     with SharedPool(chunk_bytes=1 << 20, max_bytes=1 << 20) as theirs:

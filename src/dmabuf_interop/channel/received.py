@@ -220,15 +220,19 @@ class Received:
         if chunk.device < 0:
             typestr, dt, storage = _HOST_DTYPES.get(d.dtype) or _host_dtype(d.dtype)
             # (_host_view, inline: a consumer woken for the array pays about a microsecond a call)
-            keep = (self, ChunkRef(chunk), chunk.mapping)
             ptr = chunk.ptr + d.block_offset + d.byte_offset
             if _span is not None:
-                # Load-bearing: an ndarray over a span that holds ``keep`` is the same array as numpy.asarray of a
-                # HostView (its base holds the owners), made in a fifth of the time (why: _atomic.c's header).
+                # Load-bearing: an ndarray over a span that holds the owners is the same array as numpy.asarray of a
+                # HostView (its base holds them), made in a fifth of the time (why: _atomic.c's header); the span
+                # holds the chunk's reference itself (as an arrays.ChunkRef would: taken here, its release() called
+                # once as the span goes), one object and one Python frame fewer a call.
                 if _ndarray is None:
                     _load_asarray()
-                arr = _ndarray(d.shape, storage, _span(ptr, d.span, keep, chunk.read_only), 0, d.strides)
+                chunk.retain()
+                arr = _ndarray(d.shape, storage, _span(ptr, d.span, (self, chunk.mapping), chunk.read_only, chunk), 0,
+                               d.strides)
             else:
+                keep = (self, ChunkRef(chunk), chunk.mapping)
                 arr = (_asarray or _load_asarray())(HostView(ptr, d.shape, d.strides, typestr, keep, chunk.read_only))
             # (ml_dtypes: the typestr would say only 'V2'; the storage int's view gets the dtype)
             return arr if dt is None else arr.view(dt)
