@@ -146,7 +146,6 @@ def ring_unavailable() -> str | None:
 
 
 _DONTWAIT = socket.MSG_DONTWAIT
-_NONE_CODE = ORDER_CODE["none"]
 #: The region's layout as the cursors take it: (slots offset, slot bytes, out_tail, in_head, asleep).
 _LAYOUT = (SLOTS_OFFSET, SLOT_BYTES, OUT_TAIL, IN_HEAD, ASLEEP)
 def _wake_failed(err: int) -> SyscallError:
