@@ -171,12 +171,7 @@ class Lending:
         except BaseException as exc:
             if recorded:
                 raise  # (lent and recorded: the peer's release, or the end, completes it)
-            if published or (pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError))):
-                # Out with no lease recorded, or maybe out: an interrupt in the publish, or the wake-up's send that
-                # failed after it. A release of it would be a forged one here: the end.
-                self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
-            else:  # (nothing lent: the reference goes back)
-                memo.by_pool[0][0]._unref_many(memo.blocks)
+            self._unpublished(exc, published, pushing, memo)
             if isinstance(exc, ProtocolError):  # (push_host: the peer's in_head out of range)
                 self._waits._fail(exc)
                 raise link.ended() from exc
@@ -243,14 +238,7 @@ class Lending:
             except BaseException as exc:
                 if recorded:
                     raise  # (lent and recorded: the peer's release, or the end, completes it)
-                if published or (pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError))):
-                    # Out with no lease recorded, or maybe out: an interrupt in the publish, or the wake-up's send
-                    # that failed after it. A release of it would be a forged one here: the end.
-                    self._end_unrecorded(exc)  # (the block keeps its reference: the peer may be reading it)
-                else:  # (nothing lent: the reference and the event go back)
-                    memo.by_pool[0][0]._unref_many(memo.blocks)
-                    if event is not None:
-                        events.give(event)
+                self._unpublished(exc, published, pushing, memo, event, events)
                 raise
             finally:
                 if self._reader is None:  # (as _lend_out: the end of a connection a failed send broke is seen too)
@@ -258,6 +246,20 @@ class Lending:
             if lease is not None:
                 return lease
         return self._lend_out(memo.blocks, memo.placed, None, order, event, events, None, memo, deadline)
+
+    def _unpublished(self, exc: BaseException, published: bool, pushing: bool, memo: Memo, event: Any = None,
+                     events: Any = None) -> None:
+        """A lane's repeat of ``memo`` raised ``exc`` before its lease was recorded. Where its slot is out
+        (``published``) or may be (``pushing``, and an interrupt, or the wake-up's send that failed after the
+        publish: a SyscallError), a release of it would be a forged one here: the connection ends, and the block
+        keeps its reference (the peer may be reading it). Otherwise nothing was lent: the block's reference, and
+        the event, go back."""
+        if published or (pushing and (not isinstance(exc, Exception) or isinstance(exc, SyscallError))):
+            self._end_unrecorded(exc)
+        else:
+            memo.by_pool[0][0]._unref_many(memo.blocks)
+            if event is not None:
+                events.give(event)
 
     def _send_items(self, names: list[str | None], arrays: list[Any], stream: Any, meta: dict[str, Any] | None,
                     timeout: float | None, ordering: str | None, batch: str | None) -> Lease:
